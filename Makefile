@@ -1,0 +1,30 @@
+# Two commands on a fresh clone: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo bench clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(VPY) pyproject.toml
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest tests -x -q -p no:cacheprovider
+
+demo: $(STAMP)
+	$(VPY) examples/demo.py
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) *.egg-info

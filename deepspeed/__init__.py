@@ -1,0 +1,41 @@
+"""A PyTorch-native implementation of the DeepSpeed training API.
+
+``deepspeed.initialize`` wraps a model into a :class:`DeepSpeedEngine` driven by a
+JSON config; the ``deepspeed`` launcher starts the processes.
+"""
+from __future__ import annotations
+
+try:
+    from importlib.metadata import PackageNotFoundError, version as _pkg_version
+    __version__ = _pkg_version("deepspeed")
+except Exception:  # running from a source tree without an install
+    __version__ = "0.16.0"
+
+from packaging.version import Version as _V
+
+_v = _V(__version__)
+__version_major__, __version_minor__, __version_patch__ = _v.major, _v.minor, _v.micro
+__git_hash__ = None
+__git_branch__ = None
+
+from . import comm  # noqa: E402,F401
+from .accelerator import get_accelerator  # noqa: E402,F401
+from .comm import init_distributed  # noqa: E402,F401
+from .utils.logging import logger, log_dist  # noqa: E402,F401
+from .runtime.entry import initialize, add_config_arguments, add_tuning_arguments  # noqa: E402,F401
+from .runtime.engine import DeepSpeedEngine  # noqa: E402,F401
+from .config import DeepSpeedConfig  # noqa: E402,F401
+
+
+def __getattr__(name):
+    # Submodules that pull in more code load on first use.
+    import importlib
+    if name in ("zero", "checkpointing", "pipe", "ops", "moe", "monitor", "profiling", "launcher"):
+        return importlib.import_module(f".{name}", __name__)
+    if name == "PipelineEngine":
+        from .runtime.pipe.engine import PipelineEngine
+        return PipelineEngine
+    if name == "PipelineModule":
+        from .pipe import PipelineModule
+        return PipelineModule
+    raise AttributeError(f"module 'deepspeed' has no attribute '{name}'")

@@ -1,0 +1,3 @@
+"""``deepspeed.accelerator.get_accelerator()``: the one place that knows the device."""
+from .abstract import DeepSpeedAccelerator  # noqa: F401
+from .real_accelerator import get_accelerator, set_accelerator  # noqa: F401

@@ -1,0 +1,122 @@
+"""The accelerator interface. CPU is a first-class device, not a fallback."""
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class DeepSpeedAccelerator(ABC):
+    _name: str = ""
+    _communication_backend_name: str = ""
+
+    # -- identity -----------------------------------------------------------
+    def device_name(self, device_index=None) -> str:
+        return self._name if device_index is None else f"{self._name}:{device_index}"
+
+    def communication_backend_name(self) -> str:
+        return self._communication_backend_name
+
+    def is_available(self) -> bool:
+        return True
+
+    @abstractmethod
+    def device_count(self) -> int: ...
+
+    @abstractmethod
+    def current_device(self) -> int: ...
+
+    def current_device_name(self) -> str:
+        return self.device_name(self.current_device())
+
+    def device(self, device_index=None):
+        return torch.device(self.device_name(device_index))
+
+    @abstractmethod
+    def set_device(self, device_index) -> None: ...
+
+    def synchronize(self, device_index=None) -> None:
+        return None
+
+    # -- RNG -------------------------------------------------------------------
+    @abstractmethod
+    def get_rng_state(self, device_index=None) -> torch.Tensor: ...
+
+    @abstractmethod
+    def set_rng_state(self, new_state, device_index=None) -> None: ...
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def initial_seed(self) -> int:
+        return torch.initial_seed()
+
+    def default_generator(self, device_index=None):
+        return torch.default_generator
+
+    # -- memory ----------------------------------------------------------------
+    @abstractmethod
+    def memory_allocated(self, device_index=None) -> int: ...
+
+    @abstractmethod
+    def max_memory_allocated(self, device_index=None) -> int: ...
+
+    def reset_peak_memory_stats(self, device_index=None) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def total_memory(self, device_index=None) -> int:
+        import psutil
+        return psutil.virtual_memory().total
+
+    def available_memory(self, device_index=None) -> int:
+        import psutil
+        return psutil.virtual_memory().available
+
+    # -- dtypes / features -------------------------------------------------------
+    def is_bf16_supported(self) -> bool:
+        return True
+
+    def is_fp16_supported(self) -> bool:
+        return True
+
+    def supported_dtypes(self):
+        return [torch.float32, torch.float16, torch.bfloat16]
+
+    def pin_memory(self, tensor, align_bytes=1):
+        return tensor
+
+    def is_pinned(self, tensor) -> bool:
+        return False
+
+    def on_accelerator(self, tensor) -> bool:
+        return tensor.device.type == self._name
+
+    def Stream(self, *args, **kwargs):  # noqa: N802 - DeepSpeed's spelling
+        return None
+
+    def stream(self, stream):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def current_stream(self, device_index=None):
+        return None
+
+    def Event(self, **kwargs):  # noqa: N802
+        return None
+
+    def visible_devices_envs(self):
+        return []
+
+    def set_visible_devices_envs(self, current_env, local_accelerator_ids):
+        for env in self.visible_devices_envs():
+            current_env[env] = ",".join(map(str, local_accelerator_ids))
+
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))

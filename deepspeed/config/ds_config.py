@@ -1,0 +1,302 @@
+"""The top-level DeepSpeed config: parsed once at ``initialize`` into typed models.
+
+``DeepSpeedConfig(source, world_size=..., mpu=...)`` accepts a dict, a JSON/hjson
+path, or an already-built config, validates every section, resolves the batch
+sizes against the data-parallel world size, and exposes typed sections
+(``cfg.zero``, ``cfg.fp16`` ...) plus the flat attribute names DeepSpeed's own
+config object has (``cfg.train_batch_size``, ``cfg.zero_optimization_stage`` ...).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any, Dict, Optional, Union
+
+import hjson
+from pydantic import Field
+
+from .base import DSConfigModel, parse_section
+from .errors import DeepSpeedConfigError
+from .feature_sections import check_unbuilt
+from .sections import (ActivationCheckpointingSection, AmpSection, BF16Section, CheckpointSection,
+                       DataTypesSection, FP16Section, OptimizerSection, SchedulerSection,
+                       TorchAutocastSection, ZeroSection)
+
+AnyDict = Optional[Dict[str, Any]]
+
+
+class DeepSpeedConfigModel(DSConfigModel):
+    """Every top-level key of DeepSpeed's config reference."""
+
+    train_batch_size: Optional[int] = Field(None, ge=1)
+    train_micro_batch_size_per_gpu: Optional[int] = Field(None, ge=1)
+    gradient_accumulation_steps: Optional[int] = Field(None, ge=1)
+    steps_per_print: Optional[int] = Field(10, ge=0)
+    wall_clock_breakdown: bool = False
+    dump_state: bool = False
+    memory_breakdown: bool = False
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = Field(1.0, gt=0)
+    gradient_clipping: float = Field(0.0, ge=0)
+    communication_data_type: Optional[str] = None
+    seq_parallel_communication_data_type: Optional[str] = None
+    sparse_gradients: bool = False
+    disable_allgather: bool = False
+    zero_allow_untested_optimizer: bool = True
+    zero_force_ds_cpu_optimizer: bool = True
+    graph_harvesting: bool = False
+    use_data_before_expert_parallelism: bool = False
+    seed: Optional[int] = None
+
+    optimizer: Optional[OptimizerSection] = None
+    scheduler: Optional[SchedulerSection] = None
+    fp16: FP16Section = Field(default_factory=FP16Section)
+    bf16: BF16Section = Field(default_factory=BF16Section)
+    torch_autocast: TorchAutocastSection = Field(default_factory=TorchAutocastSection)
+    amp: AmpSection = Field(default_factory=AmpSection)
+    data_types: DataTypesSection = Field(default_factory=DataTypesSection)
+    zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
+    activation_checkpointing: ActivationCheckpointingSection = Field(default_factory=ActivationCheckpointingSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+
+    # Sections parsed but whose features are not built (see feature_sections.py).
+    tensorboard: AnyDict = None
+    wandb: AnyDict = None
+    comet: AnyDict = None
+    csv_monitor: AnyDict = None
+    flops_profiler: AnyDict = None
+    comms_logger: AnyDict = None
+    sparse_attention: AnyDict = None
+    compression_training: AnyDict = None
+    elasticity: AnyDict = None
+    autotuning: AnyDict = None
+    data_efficiency: AnyDict = None
+    curriculum_learning: AnyDict = None
+    progressive_layer_drop: AnyDict = None
+    eigenvalue: AnyDict = None
+    quantize_training: AnyDict = None
+    hybrid_engine: AnyDict = None
+    nebula: AnyDict = None
+    weight_quantization: AnyDict = None
+    aio: AnyDict = None
+    pipeline: AnyDict = None
+    moe: AnyDict = None
+    zero_config: AnyDict = None
+
+
+def load_config_source(source: Union[str, os.PathLike, dict, None]) -> dict:
+    """Read a config dict from a dict or a JSON/hjson file path."""
+    if source is None:
+        return {}
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise DeepSpeedConfigError(f"DeepSpeed config file '{path}' does not exist.")
+        with open(path, "r", encoding="utf-8") as f:
+            text = f.read()
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            try:
+                data = hjson.loads(text)
+            except Exception as err:  # hjson raises its own HjsonDecodeError
+                raise DeepSpeedConfigError(
+                    f"DeepSpeed config file '{path}' is neither valid JSON nor hjson: {err}") from None
+            return json.loads(json.dumps(data))  # OrderedDicts -> plain dicts
+    raise DeepSpeedConfigError(
+        f"DeepSpeed config must be a dict or a path to a JSON/hjson file, got {type(source).__name__}.")
+
+
+def resolve_batch_sizes(train_batch_size, micro_batch, grad_acc, world_size):
+    """Any two of the three give the third; all three must agree.
+
+    Returns ``(train_batch_size, micro_batch, grad_acc)`` or raises with the arithmetic.
+    """
+    tb, mb, ga, ws = train_batch_size, micro_batch, grad_acc, world_size
+    if tb is not None and mb is not None and ga is not None:
+        if tb != mb * ga * ws:
+            raise DeepSpeedConfigError(
+                f"Batch sizes are inconsistent: train_batch_size ({tb}) must equal "
+                f"train_micro_batch_size_per_gpu ({mb}) * gradient_accumulation_steps ({ga}) "
+                f"* data-parallel world size ({ws}) = {mb * ga * ws}.")
+        return tb, mb, ga
+    if tb is not None and mb is not None:
+        if tb % (mb * ws):
+            raise DeepSpeedConfigError(
+                f"train_batch_size ({tb}) is not divisible by train_micro_batch_size_per_gpu ({mb}) "
+                f"* data-parallel world size ({ws}) = {mb * ws}, so gradient_accumulation_steps "
+                f"would be {tb / (mb * ws):g}, not an integer.")
+        return tb, mb, tb // (mb * ws)
+    if tb is not None and ga is not None:
+        if tb % (ga * ws):
+            raise DeepSpeedConfigError(
+                f"train_batch_size ({tb}) is not divisible by gradient_accumulation_steps ({ga}) "
+                f"* data-parallel world size ({ws}) = {ga * ws}, so train_micro_batch_size_per_gpu "
+                f"would be {tb / (ga * ws):g}, not an integer.")
+        return tb, tb // (ga * ws), ga
+    if mb is not None and ga is not None:
+        return mb * ga * ws, mb, ga
+    if tb is not None:
+        if tb % ws:
+            raise DeepSpeedConfigError(
+                f"train_batch_size ({tb}) is not divisible by the data-parallel world size ({ws}); "
+                f"set train_micro_batch_size_per_gpu and gradient_accumulation_steps explicitly.")
+        return tb, tb // ws, 1
+    if mb is not None:
+        return mb * ws, mb, 1
+    raise DeepSpeedConfigError(
+        "The config must set train_batch_size or train_micro_batch_size_per_gpu "
+        "(any two of train_batch_size, train_micro_batch_size_per_gpu and "
+        "gradient_accumulation_steps determine the third).")
+
+
+class DeepSpeedConfig:
+    """Parsed, validated DeepSpeed config (also importable as
+    ``deepspeed.runtime.config.DeepSpeedConfig``)."""
+
+    def __init__(self, config: Union[str, dict, "DeepSpeedConfig", None], mpu=None,
+                 world_size: Optional[int] = None, check_features: bool = True):
+        if isinstance(config, DeepSpeedConfig):
+            config = config.raw
+        self.raw: dict = load_config_source(config)
+        self.model: DeepSpeedConfigModel = parse_section(DeepSpeedConfigModel, self.raw)
+        if check_features:
+            check_unbuilt(self.model)
+        if world_size is None:
+            world_size = _dp_world_size(mpu)
+        self.world_size = world_size
+        m = self.model
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = \
+            resolve_batch_sizes(m.train_batch_size, m.train_micro_batch_size_per_gpu,
+                                m.gradient_accumulation_steps, world_size)
+        self._validate_cross_section()
+
+    # -- cross-section rules -------------------------------------------------
+    def _validate_cross_section(self):
+        m = self.model
+        if m.fp16.enabled and m.bf16.enabled:
+            raise DeepSpeedConfigError(
+                "fp16.enabled and bf16.enabled are both true; choose one 16-bit format.")
+        if m.amp.enabled:
+            raise DeepSpeedConfigError(
+                "amp.enabled requires NVIDIA apex, which this deepspeed does not use. "
+                "Use the 'torch_autocast' section (enabled, dtype) or 'bf16'/'fp16' instead.")
+        if m.torch_autocast.enabled and (m.fp16.enabled or m.bf16.enabled):
+            raise DeepSpeedConfigError(
+                "torch_autocast.enabled cannot be combined with fp16.enabled or bf16.enabled: "
+                "torch_autocast keeps fp32 parameters and autocasts compute, fp16/bf16 hold 16-bit parameters.")
+        z = m.zero_optimization
+        if z.offload_optimizer_device == "nvme" or z.offload_param_device == "nvme":
+            raise DeepSpeedConfigError(
+                "zero_optimization.offload_*.device 'nvme' (ZeRO-Infinity NVMe swapping) is not available "
+                "in this version of deepspeed; use device 'cpu'.")
+        if z.offload_param_device != "none" and z.stage != 3:
+            raise DeepSpeedConfigError(
+                f"zero_optimization.offload_param requires zero_optimization.stage 3, got stage {z.stage}.")
+        if z.offload_optimizer_device != "none" and z.stage == 0:
+            raise DeepSpeedConfigError(
+                "zero_optimization.offload_optimizer requires zero_optimization.stage 1, 2 or 3, got stage 0.")
+
+    # -- typed sections --------------------------------------------------------
+    @property
+    def fp16(self):
+        return self.model.fp16
+
+    @property
+    def bf16(self):
+        return self.model.bf16
+
+    @property
+    def zero(self):
+        return self.model.zero_optimization
+
+    zero_config = zero
+
+    @property
+    def optimizer(self):
+        return self.model.optimizer
+
+    @property
+    def scheduler(self):
+        return self.model.scheduler
+
+    @property
+    def activation_checkpointing_config(self):
+        return self.model.activation_checkpointing
+
+    # -- DeepSpeed's flat attribute names ---------------------------------------
+    @property
+    def zero_optimization_stage(self) -> int:
+        return self.model.zero_optimization.stage
+
+    @property
+    def zero_enabled(self) -> bool:
+        return self.zero_optimization_stage > 0
+
+    @property
+    def fp16_enabled(self) -> bool:
+        return self.model.fp16.enabled
+
+    @property
+    def bfloat16_enabled(self) -> bool:
+        return self.model.bf16.enabled
+
+    bf16_enabled = bfloat16_enabled
+
+    @property
+    def gradient_clipping(self) -> float:
+        return self.model.gradient_clipping
+
+    @property
+    def steps_per_print(self):
+        return self.model.steps_per_print
+
+    @property
+    def wall_clock_breakdown(self) -> bool:
+        return self.model.wall_clock_breakdown
+
+    @property
+    def optimizer_name(self):
+        return self.model.optimizer.type.lower() if self.model.optimizer else None
+
+    @property
+    def optimizer_params(self):
+        return self.model.optimizer.params if self.model.optimizer else None
+
+    @property
+    def scheduler_name(self):
+        return self.model.scheduler.type if self.model.scheduler else None
+
+    @property
+    def scheduler_params(self):
+        return self.model.scheduler.params if self.model.scheduler else None
+
+    def __getattr__(self, name):
+        # Fall through to top-level model fields (e.g. cfg.prescale_gradients).
+        model = self.__dict__.get("model")
+        if model is not None and name in type(model).model_fields:
+            return getattr(model, name)
+        raise AttributeError(f"'DeepSpeedConfig' has no attribute '{name}'")
+
+    def to_dict(self) -> dict:
+        """The effective config as a dict, batch sizes resolved (``engine.config``)."""
+        d = copy.deepcopy(self.raw)
+        d["train_batch_size"] = self.train_batch_size
+        d["train_micro_batch_size_per_gpu"] = self.train_micro_batch_size_per_gpu
+        d["gradient_accumulation_steps"] = self.gradient_accumulation_steps
+        return d
+
+    def print(self, name="DeepSpeedConfig"):
+        print(f"{name}:\n{json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)}")
+
+
+def _dp_world_size(mpu) -> int:
+    if mpu is not None:
+        return int(mpu.get_data_parallel_world_size())
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))

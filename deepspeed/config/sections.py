@@ -1,0 +1,180 @@
+"""Typed models for the config sections the engine consumes.
+
+Every model forbids unknown keys, so a typo gets a 'did you mean' error instead of
+being silently ignored. Defaults follow DeepSpeed's config reference.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from .base import DSConfigModel
+
+# ---------------------------------------------------------------- precision
+
+
+class FP16Section(DSConfigModel):
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: float = Field(0.0, ge=0, description="0 means dynamic loss scaling")
+    initial_scale_power: int = Field(16, ge=0, le=64)
+    loss_scale_window: int = Field(1000, ge=1)
+    hysteresis: int = Field(2, ge=1)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = Field(1.0, gt=0)
+    fp16_master_weights_and_grads: bool = False
+
+
+class BF16Section(DSConfigModel):
+    enabled: bool = False
+    immediate_grad_update: bool = False
+    check_grad_overflow: bool = False
+
+
+class TorchAutocastSection(DSConfigModel):
+    enabled: bool = False
+    dtype: Optional[Literal["bfloat16", "float16", "bf16", "fp16", "torch.bfloat16", "torch.float16"]] = None
+    lower_precision_safe_modules: Optional[List[str]] = None
+
+
+class AmpSection(DSConfigModel):
+    model_config = DSConfigModel.model_config | {"extra": "allow"}  # apex's own options pass through
+    enabled: bool = False
+
+
+class DataTypesSection(DSConfigModel):
+    grad_accum_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = None
+
+
+# ---------------------------------------------------------------- ZeRO
+
+
+class OffloadOptimizerSection(DSConfigModel):
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: Optional[str] = None
+    buffer_count: int = Field(4, ge=0)
+    pin_memory: bool = False
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: float = Field(1.0, ge=0.0, le=1.0)
+
+
+class OffloadParamSection(DSConfigModel):
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: Optional[str] = None
+    buffer_count: int = Field(5, ge=0)
+    buffer_size: int = Field(100_000_000, ge=0)
+    max_in_cpu: int = Field(1_000_000_000, ge=0)
+    pin_memory: bool = False
+
+
+class ZeroSection(DSConfigModel):
+    stage: int = Field(0, ge=0, le=3)
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = Field(500_000_000, ge=1)
+    use_multi_rank_bucket_allreduce: bool = True
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = Field(500_000_000, ge=1)
+    overlap_comm: Optional[bool] = None
+    load_from_fp32_weights: bool = True
+    elastic_checkpoint: bool = False
+    offload_param: Optional[OffloadParamSection] = None
+    offload_optimizer: Optional[OffloadOptimizerSection] = None
+    sub_group_size: int = Field(1_000_000_000, ge=1)
+    cpu_offload: Optional[bool] = None  # deprecated spelling of offload_optimizer.device=cpu
+    cpu_offload_param: Optional[bool] = None
+    cpu_offload_use_pin_memory: Optional[bool] = None
+    prefetch_bucket_size: int = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size")
+    param_persistence_threshold: int = Field(100_000, ge=0, alias="stage3_param_persistence_threshold")
+    model_persistence_threshold: int = Field(2**63 - 1, ge=0, alias="stage3_model_persistence_threshold")
+    max_live_parameters: int = Field(1_000_000_000, ge=0, alias="stage3_max_live_parameters")
+    max_reuse_distance: int = Field(1_000_000_000, ge=0, alias="stage3_max_reuse_distance")
+    gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
+    module_granularity_threshold: int = Field(0, ge=0, alias="stage3_module_granularity_threshold")
+    use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params")
+    stage3_gather_fp16_weights_on_model_save: Optional[bool] = None  # older spelling
+    ignore_unused_parameters: bool = True
+    legacy_stage1: bool = False
+    round_robin_gradients: bool = False
+    zero_hpz_partition_size: int = Field(1, ge=1)
+    zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    zero_quantized_gradients: bool = False
+    mics_shard_size: int = -1
+    mics_hierarchical_params_gather: bool = False
+    memory_efficient_linear: bool = True
+    pipeline_loading_checkpoint: bool = False
+    override_module_apply: bool = True
+    log_trace_cache_warnings: bool = False
+    grad_hooks: bool = True
+
+    @model_validator(mode="after")
+    def _legacy_spellings(self):
+        if self.cpu_offload and (self.offload_optimizer is None or self.offload_optimizer.device == "none"):
+            object.__setattr__(self, "offload_optimizer",
+                               OffloadOptimizerSection(device="cpu", pin_memory=bool(self.cpu_offload_use_pin_memory)))
+        if self.cpu_offload_param and (self.offload_param is None or self.offload_param.device == "none"):
+            object.__setattr__(self, "offload_param",
+                               OffloadParamSection(device="cpu", pin_memory=bool(self.cpu_offload_use_pin_memory)))
+        if self.stage3_gather_fp16_weights_on_model_save is not None:
+            object.__setattr__(self, "gather_16bit_weights_on_model_save",
+                               bool(self.stage3_gather_fp16_weights_on_model_save))
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+        return self
+
+    @property
+    def offload_optimizer_device(self) -> str:
+        return self.offload_optimizer.device if self.offload_optimizer else "none"
+
+    @property
+    def offload_param_device(self) -> str:
+        return self.offload_param.device if self.offload_param else "none"
+
+
+# ---------------------------------------------------------------- optimizer / scheduler
+
+
+class OptimizerSection(DSConfigModel):
+    type: str
+    params: Dict[str, Any] = Field(default_factory=dict)
+    legacy_fusion: bool = False
+
+
+class SchedulerSection(DSConfigModel):
+    type: str
+    params: Dict[str, Any] = Field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- activation checkpointing
+
+
+class ActivationCheckpointingSection(DSConfigModel):
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: Optional[int] = Field(None, ge=1)
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+# ---------------------------------------------------------------- checkpoint options
+
+
+class CheckpointParallelWrite(DSConfigModel):
+    pipeline_stage: bool = False
+
+
+class CheckpointSection(DSConfigModel):
+    tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail", "IGNORE", "WARN", "FAIL"] = "Warn"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+    parallel_write: CheckpointParallelWrite = Field(default_factory=CheckpointParallelWrite)
+
+    @field_validator("tag_validation")
+    @classmethod
+    def _norm(cls, v):
+        return v.capitalize()

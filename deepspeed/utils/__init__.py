@@ -1,0 +1,16 @@
+"""``deepspeed.utils``: logger, timers, RepeatingLoader and partitioned-state helpers."""
+from .logging import log_dist, logger  # noqa: F401
+from .timer import SynchronizedWallClockTimer, ThroughputTimer  # noqa: F401
+
+
+def __getattr__(name):  # lazy, to keep ``import deepspeed.utils`` free of import cycles
+    if name == "RepeatingLoader":
+        from ..runtime.dataloader import RepeatingLoader
+        return RepeatingLoader
+    if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+                "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
+                "safe_get_local_grad", "safe_get_local_optimizer_state", "safe_set_local_fp32_param",
+                "safe_set_local_optimizer_state"):
+        from . import tensor_fragment
+        return getattr(tensor_fragment, name)
+    raise AttributeError(f"module 'deepspeed.utils' has no attribute '{name}'")
