@@ -78,7 +78,7 @@ class ZeroSection(DSConfigModel):
     use_multi_rank_bucket_allreduce: bool = True
     allgather_partitions: bool = True
     allgather_bucket_size: int = Field(500_000_000, ge=1)
-    overlap_comm: Optional[bool] = None
+    overlap_comm: Optional[bool] = None  # None: each stage's own default (on for 0 and 3)
     load_from_fp32_weights: bool = True
     elastic_checkpoint: bool = False
     offload_param: Optional[OffloadParamSection] = None
@@ -122,8 +122,6 @@ class ZeroSection(DSConfigModel):
         if self.stage3_gather_fp16_weights_on_model_save is not None:
             object.__setattr__(self, "gather_16bit_weights_on_model_save",
                                bool(self.stage3_gather_fp16_weights_on_model_save))
-        if self.overlap_comm is None:
-            object.__setattr__(self, "overlap_comm", self.stage == 3)
         return self
 
     @property

@@ -1,2 +1,397 @@
-class DeepSpeedEngine:
-    pass
+"""``DeepSpeedEngine``: a thin facade over the parts chosen from the config.
+
+The engine owns the counters, the forward call, the accumulation boundary, the LR
+schedule, logging and checkpoint orchestration. Everything that depends on the
+ZeRO stage or the precision lives in the strategy picked by
+:func:`deepspeed.runtime.strategy_factory.build_strategy`; the engine never
+branches on the stage.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..accelerator import get_accelerator
+from ..comm import groups
+from ..config import DeepSpeedConfig
+from ..config.errors import DeepSpeedConfigError
+from ..utils.logging import log_dist, logger
+from ..utils.timer import NoopTimer, SynchronizedWallClockTimer, ThroughputTimer
+from .checkpoint.engine_checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from .dataloader import DeepSpeedDataLoader
+from .strategy import StrategyContext
+from .strategy_factory import build_strategy
+
+FORWARD, BACKWARD, STEP = "forward", "backward", "step"
+
+
+def _normalize_param_groups(model, model_parameters):
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    if items and isinstance(items[0], tuple) and len(items[0]) == 2:  # named_parameters()
+        return [{"params": [p for _, p in items]}]
+    return [{"params": items}]
+
+
+class DeepSpeedEngine(torch.nn.Module):
+    """Wraps a model for training as configured. See ``deepspeed.initialize``."""
+
+    def __init__(self, args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+                 lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+                 config_class: Optional[DeepSpeedConfig] = None, dont_change_device=False):
+        super().__init__()
+        if model is None or not isinstance(model, torch.nn.Module):
+            raise TypeError(f"deepspeed.initialize: 'model' must be a torch.nn.Module, got {type(model).__name__}.")
+        comm.init_distributed(dist_init_required=dist_init_required, verbose=False)
+        self.mpu = mpu
+        groups.set_mpu(mpu)
+        self.dp_group = groups.get_data_parallel_group(mpu)
+        self.dp_world_size = groups.get_data_parallel_world_size(mpu)
+        self.dp_rank = groups.get_data_parallel_rank(mpu)
+        self.mp_world_size = groups.get_model_parallel_world_size(mpu)
+        self.mp_rank = groups.get_model_parallel_rank(mpu)
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        self.local_rank = comm.get_local_rank()
+
+        self.config_obj = config_class if config_class is not None else DeepSpeedConfig(
+            config, mpu=mpu, world_size=self.dp_world_size)
+        if self.config_obj.world_size != self.dp_world_size:  # built before dist init: re-resolve
+            self.config_obj = DeepSpeedConfig(self.config_obj.raw, world_size=self.dp_world_size)
+        cfg = self.config_obj
+        from .. import __version__
+        self.ds_version = __version__
+
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override = None
+        self._last_loss = None
+        self._losses_since_print = []
+        self._warned_no_optimizer = False
+
+        acc = get_accelerator()
+        self.device = acc.device(self.local_rank) if acc.device_name() != "cpu" else torch.device("cpu")
+        if not dont_change_device:
+            model.to(self.device)
+        self.module = model
+        self._broadcast_model()
+
+        self.timers = SynchronizedWallClockTimer() if cfg.wall_clock_breakdown else NoopTimer()
+        self.tput_timer = ThroughputTimer(batch_size=cfg.train_batch_size)
+
+        # ---- optimizer and strategy --------------------------------------------------------
+        if optimizer is not None and cfg.optimizer is not None:
+            raise DeepSpeedConfigError(
+                "An optimizer was passed to deepspeed.initialize and the config has an 'optimizer' section; "
+                "use one or the other.")
+        client_optimizer, factory = None, None
+        if isinstance(optimizer, torch.optim.Optimizer):
+            client_optimizer = optimizer
+        elif callable(optimizer):
+            factory = optimizer
+        elif optimizer is not None:
+            raise TypeError(f"deepspeed.initialize: 'optimizer' must be a torch.optim.Optimizer or a callable "
+                            f"taking parameters, got {type(optimizer).__name__}.")
+        elif cfg.optimizer is not None:
+            from .optimizers import build_optimizer
+            opt_type, opt_params = cfg.optimizer.type, cfg.optimizer.params
+            factory = lambda groups_: build_optimizer(opt_type, opt_params, groups_)  # noqa: E731
+        ctx = StrategyContext(config=cfg, dp_group=self.dp_group, dp_world_size=self.dp_world_size,
+                              dp_rank=self.dp_rank, mpu=mpu, device=self.device, timers=self.timers,
+                              param_groups=_normalize_param_groups(model, model_parameters),
+                              optimizer_factory=factory, client_optimizer=client_optimizer)
+        self.strategy = build_strategy(model, ctx)
+        self.optimizer = self.strategy.optimizer
+        if self.optimizer is not None and not hasattr(self.optimizer, "overflow"):
+            try:
+                self.optimizer.overflow = False
+            except AttributeError:
+                pass
+        self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
+
+        # ---- data ----------------------------------------------------------------------------
+        self.collate_fn = collate_fn
+        self.training_dataloader = self.deepspeed_io(training_data) if training_data is not None else None
+
+        if self.global_rank == 0:
+            log_dist(f"DeepSpeedEngine: zero stage {self.zero_optimization_stage()}, "
+                     f"{'fp16' if cfg.fp16_enabled else 'bf16' if cfg.bfloat16_enabled else 'fp32'}, "
+                     f"dp world size {self.dp_world_size}, train_batch_size {cfg.train_batch_size} = "
+                     f"{cfg.train_micro_batch_size_per_gpu} x {cfg.gradient_accumulation_steps} x "
+                     f"{self.dp_world_size}", ranks=[0])
+
+    # ------------------------------------------------------------------ construction helpers
+    def _broadcast_model(self):
+        """Start every data-parallel rank from rank 0's weights and buffers."""
+        if self.dp_world_size <= 1:
+            return
+        tensors = [t for t in list(self.module.parameters()) + list(self.module.buffers())
+                   if not hasattr(t, "ds_id")]  # zero.Init parameters are already consistent
+        if not tensors:
+            return
+        src = comm.get_global_rank(self.dp_group, 0) if self.mpu is not None else 0
+        for dtype in {t.dtype for t in tensors}:
+            ts = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.data.reshape(-1) for t in ts])
+            dist.broadcast(flat, src=src, group=self.dp_group)
+            off = 0
+            for t in ts:
+                t.data.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+
+    def _build_lr_scheduler(self, client_scheduler):
+        cfg = self.config_obj
+        if client_scheduler is not None:
+            if cfg.scheduler is not None:
+                raise DeepSpeedConfigError(
+                    "An lr_scheduler was passed to deepspeed.initialize and the config has a 'scheduler' "
+                    "section; use one or the other.")
+            if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
+                return client_scheduler(self.optimizer)
+            return client_scheduler
+        if cfg.scheduler is not None:
+            if self.optimizer is None:
+                raise DeepSpeedConfigError("The config has a 'scheduler' section but no optimizer was given.")
+            from .lr_schedules import build_lr_scheduler
+            return build_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params, self.optimizer)
+        return None
+
+    def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=True, data_sampler=None,
+                     collate_fn=None, num_local_io_workers=None):
+        if not (isinstance(dataset, torch.utils.data.Dataset) or hasattr(dataset, "__getitem__")):
+            raise TypeError("deepspeed.initialize: 'training_data' must be a torch.utils.data.Dataset.")
+        return DeepSpeedDataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                   pin_memory=pin_memory and self.device.type != "cpu",
+                                   collate_fn=collate_fn or self.collate_fn, data_sampler=data_sampler,
+                                   num_local_io_workers=num_local_io_workers,
+                                   data_parallel_world_size=self.dp_world_size,
+                                   data_parallel_rank=self.dp_rank, tput_timer=None)
+
+    # ------------------------------------------------------------------ module fall-through
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        modules = self.__dict__.get("_modules", {})
+        if "module" in modules and hasattr(modules["module"], name):
+            return getattr(modules["module"], name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    # ------------------------------------------------------------------ training API
+    def forward(self, *inputs, **kwargs):
+        self.timers(FORWARD).start()
+        if self.tput_timer._t0 is None:  # first forward of this optimizer step
+            self.tput_timer.start()
+        self.strategy.pre_forward()
+        cfg = self.config_obj
+        if cfg.fp16_enabled and cfg.fp16.auto_cast:
+            inputs = tuple(_cast_floating(x, torch.float16) for x in inputs)
+            kwargs = {k: _cast_floating(v, torch.float16) for k, v in kwargs.items()}
+        ac = cfg.model.torch_autocast
+        if ac.enabled:
+            dtype = torch.float16 if ac.dtype in ("float16", "fp16", "torch.float16") else torch.bfloat16
+            with torch.autocast(device_type=self.device.type, dtype=dtype):
+                out = self.module(*inputs, **kwargs)
+        else:
+            out = self.module(*inputs, **kwargs)
+        self.timers(FORWARD).stop()
+        return out
+
+    def backward(self, loss, allreduce_gradients=True, release_loss=False, retain_graph=False,
+                 scale_wrt_gas=True):
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise TypeError("engine.backward(loss): 'loss' must be a scalar tensor.")
+        self.timers(BACKWARD).start()
+        self._last_loss = loss.detach()
+        gas = self.gradient_accumulation_steps()
+        if scale_wrt_gas and gas > 1:
+            loss = loss / gas
+        loss = self.strategy.scale_loss(loss)
+        self.strategy.backward(loss, sync=allreduce_gradients and self.is_gradient_accumulation_boundary(),
+                               retain_graph=retain_graph)
+        self.timers(BACKWARD).stop()
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Force the boundary (Accelerate drives accumulation itself)."""
+        self._boundary_override = bool(is_boundary)
+
+    def step(self, lr_kwargs=None):
+        self.timers(STEP).start()
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            if self.optimizer is None:
+                if not self._warned_no_optimizer:
+                    logger.warning("engine.step() called but no optimizer was configured; parameters are unchanged.")
+                    self._warned_no_optimizer = True
+                outcome_skipped, norm = False, None
+            else:
+                outcome = self.strategy.step()
+                outcome_skipped, norm = outcome.skipped, outcome.grad_norm
+                try:
+                    self.optimizer.overflow = outcome_skipped
+                except AttributeError:
+                    pass
+            self._global_grad_norm = norm
+            if outcome_skipped:
+                self.skipped_steps += 1
+            elif self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.strategy.zero_grad(set_to_none=True)
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self.tput_timer.stop(global_step=True)
+            self._maybe_log()
+        self.micro_steps += 1
+        self.timers(STEP).stop()
+
+    def _maybe_log(self):
+        spp = self.config_obj.steps_per_print
+        if not spp or self.global_steps % spp:
+            return
+        loss = self._last_loss.item() if self._last_loss is not None else float("nan")
+        lr = self.get_lr()
+        log_dist(f"step={self.global_steps}, skipped={self.skipped_steps}, loss={loss:.4f}, "
+                 f"lr={lr}, samples/s={self.tput_timer.avg_samples_per_sec():.2f}", ranks=[0])
+        if self.config_obj.wall_clock_breakdown:
+            self.timers.log([FORWARD, BACKWARD, STEP], normalizer=spp)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.strategy.zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate local gradients without reducing them (manual accumulation)."""
+        with self.strategy.no_sync():
+            yield
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def destroy(self):
+        self.strategy.destroy()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def config(self) -> dict:
+        return self.config_obj.to_dict()
+
+    def train_batch_size(self) -> int:
+        return self.config_obj.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config_obj.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config_obj.gradient_accumulation_steps
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        mb, ws = self.train_micro_batch_size_per_gpu(), self.dp_world_size
+        if train_batch_size % (mb * ws):
+            raise ValueError(f"train_batch_size {train_batch_size} must be divisible by micro batch "
+                             f"{mb} * data-parallel world size {ws}.")
+        self.config_obj.gradient_accumulation_steps = train_batch_size // (mb * ws)
+        self.config_obj.train_batch_size = train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.config_obj.zero_optimization_stage
+
+    def zero_optimization(self) -> bool:
+        return self.config_obj.zero_enabled
+
+    def fp16_enabled(self) -> bool:
+        return self.config_obj.fp16_enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config_obj.bfloat16_enabled
+
+    def gradient_clipping(self) -> float:
+        return self.config_obj.gradient_clipping
+
+    def get_lr(self):
+        if self.optimizer is None:
+            return []
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_mom(self):
+        if self.optimizer is None:
+            return []
+        return [g.get("betas", (g.get("momentum"),))[0] if "betas" in g else g.get("momentum")
+                for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self):
+        return getattr(self, "_global_grad_norm", None)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.strategy.loss_scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.strategy.loss_scale
+
+    @property
+    def was_step_applied(self) -> bool:
+        return not getattr(self.optimizer, "overflow", False)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        return save_engine_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
+                                      save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        return load_engine_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                                      load_optimizer_states=load_optimizer_states,
+                                      load_lr_scheduler_states=load_lr_scheduler_states,
+                                      load_module_only=load_module_only)
+
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+        return self.strategy.module_state_dict()
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
+        """Write the full module state dict (16-bit when training in 16-bit) from rank 0."""
+        import os
+        from .checkpoint.io import atomic_torch_save
+        sd = self.strategy.module_state_dict()  # collective at stage 3
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k not in frozen}
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            atomic_torch_save({k: v.detach().cpu() for k, v in sd.items()}, os.path.join(save_dir, save_filename))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return True
+
+    save_fp16_model = save_16bit_model
+
+
+def _cast_floating(x, dtype):
+    if torch.is_tensor(x) and x.is_floating_point():
+        return x.to(dtype)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast_floating(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return {k: _cast_floating(v, dtype) for k, v in x.items()}
+    return x

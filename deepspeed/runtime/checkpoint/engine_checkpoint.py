@@ -1,0 +1,184 @@
+"""Save and load a whole engine: module, optimizer side (via the strategy), scheduler,
+counters, RNG states and client state."""
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ...utils.logging import logger
+from .errors import CheckpointError
+from .io import CheckpointReader, CheckpointWriter, read_latest_tag
+
+
+def model_states_name(mp_rank: int) -> str:
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def rng_states_name(rank: int) -> str:
+    return f"rng_state_rank_{rank}.pt"
+
+
+def capture_rng_state() -> dict:
+    from ...accelerator import get_accelerator
+    acc = get_accelerator()
+    np_state = np.random.get_state()
+    st = {
+        "python": list(random.getstate()[1]) + [random.getstate()[0], random.getstate()[2]],
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if acc.device_name() != "cpu":
+        st["accelerator"] = acc.get_rng_state()
+    return st
+
+
+def restore_rng_state(st: dict) -> None:
+    from ...accelerator import get_accelerator
+    py = st["python"]
+    random.setstate((py[-2], tuple(py[:-2]), py[-1]))
+    n = st["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(st["torch"])
+    if "accelerator" in st and get_accelerator().device_name() != "cpu":
+        get_accelerator().set_rng_state(st["accelerator"])
+
+
+def _all_ok(ok: bool) -> bool:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+    return ok
+
+
+def _barrier():
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _check_tag(tag: str, mode: str) -> None:
+    if mode == "Ignore" or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    tags = [None] * dist.get_world_size()
+    dist.all_gather_object(tags, tag)
+    if len(set(tags)) > 1:
+        msg = f"Checkpoint tag differs across ranks: {tags}. Pass the same tag on every rank."
+        if mode == "Fail":
+            raise CheckpointError(msg)
+        logger.warning(msg)
+
+
+def save_engine_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_latest=True,
+                           exclude_frozen_parameters=False) -> bool:
+    if tag is None:
+        tag = f"global_step{engine.global_steps}"
+    tag = str(tag)
+    if not tag or os.sep in tag or tag.startswith("."):
+        raise CheckpointError(f"Invalid checkpoint tag {tag!r}: it must be a plain, non-empty directory name.")
+    _check_tag(tag, engine.config_obj.model.checkpoint.tag_validation)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    writer = CheckpointWriter(save_dir, tag)
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        writer.prepare()
+    _barrier()
+    module_sd = engine.strategy.module_state_dict()  # collective at stage 3: every rank calls it
+    error = None
+    try:
+        dp_rank, mp_rank = engine.dp_rank, engine.mp_rank
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+            module_sd = {k: v for k, v in module_sd.items() if k not in frozen}
+        if dp_rank == 0:
+            state = {
+                "module": module_sd,
+                "lr_scheduler": engine.lr_scheduler.state_dict()
+                if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict") else None,
+                "global_steps": engine.global_steps,
+                "global_samples": engine.global_samples,
+                "micro_steps": engine.micro_steps,
+                "skipped_steps": engine.skipped_steps,
+                "dp_world_size": engine.dp_world_size,
+                "mp_world_size": engine.mp_world_size,
+                "zero_stage": engine.zero_optimization_stage(),
+                "ds_config": engine.config,
+                "ds_version": engine.ds_version,
+                "client_state": dict(client_state or {}),
+            }
+            writer.save(model_states_name(mp_rank), state)
+        writer.save(rng_states_name(rank), capture_rng_state())
+        engine.strategy.save_optimizer_state(writer, dp_rank, mp_rank)
+    except Exception as err:  # noqa: BLE001 - report after telling the other ranks
+        error = err
+    if not _all_ok(error is None):
+        if rank == 0:
+            writer.abort()
+        _barrier()
+        if error is not None:
+            raise error
+        raise CheckpointError(f"Saving checkpoint '{tag}' failed on another rank; nothing was committed.")
+    if rank == 0:
+        extra = getattr(engine.strategy, "write_checkpoint_extras", None)
+        if extra is not None:
+            extra(writer)
+        writer.commit(save_latest)
+    _barrier()
+    logger.info(f"Saved checkpoint {os.path.join(save_dir, tag)}") if rank == 0 else None
+    return True
+
+
+def load_engine_checkpoint(engine, load_dir: str, tag=None, load_module_strict=True,
+                           load_optimizer_states=True, load_lr_scheduler_states=True,
+                           load_module_only=False):
+    if tag is None:
+        tag = read_latest_tag(load_dir)
+        if tag is None:
+            logger.warning(f"Unable to find a 'latest' file in '{load_dir}'; nothing was loaded. "
+                           f"Pass tag=... to load a specific checkpoint.")
+            return None, None
+    reader = CheckpointReader(load_dir, str(tag))
+    state = reader.load(model_states_name(engine.mp_rank))
+    missing = {"module", "global_steps"} - set(state)
+    if missing:
+        raise CheckpointError(f"'{reader.path}' is not a deepspeed checkpoint: missing {sorted(missing)}.")
+    engine.strategy.load_module_state_dict(state["module"], strict=load_module_strict)
+    if load_module_only:
+        engine.strategy.after_module_load()
+        return reader.path, state.get("client_state", {})
+    if load_optimizer_states:
+        engine.strategy.load_optimizer_state(reader, load_optimizer_states=True)
+    else:
+        engine.strategy.after_module_load()
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    engine.global_steps = state["global_steps"]
+    engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
+    engine.micro_steps = state.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps())
+    engine.skipped_steps = state.get("skipped_steps", 0)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if reader.exists(rng_states_name(rank)):
+        restore_rng_state(reader.load(rng_states_name(rank)))
+    else:
+        logger.warning(f"No RNG state for rank {rank} in '{reader.path}' (saved at another world size); "
+                       f"RNG streams continue from their current state.")
+    return reader.path, state.get("client_state", {})
+
+
+def load_module_checked(module: torch.nn.Module, sd: dict, strict: bool) -> None:
+    """Load ``sd`` into ``module``; on a mismatch raise an error naming the keys."""
+    try:
+        result = module.load_state_dict(sd, strict=False)
+    except RuntimeError as err:  # shape mismatches are raised even with strict=False
+        raise CheckpointError(f"Checkpoint does not match the model: {err}") from None
+    if strict and (result.missing_keys or result.unexpected_keys):
+        raise CheckpointError(
+            "Checkpoint does not match the model:"
+            + (f" missing keys {result.missing_keys};" if result.missing_keys else "")
+            + (f" unexpected keys {result.unexpected_keys};" if result.unexpected_keys else "")
+            + " pass load_module_strict=False to load the matching keys only.")

@@ -1,0 +1,215 @@
+"""Stage 0: plain data parallelism with bucketed, overlapped gradient all-reduce.
+
+Gradients are averaged once per accumulation boundary. Buckets of
+``reduce_bucket_size`` elements are fixed at construction (reverse registration
+order, which is roughly the order backward produces gradients); as soon as every
+gradient of a bucket is ready - and every earlier bucket has been launched - the
+bucket is flattened and its all-reduce is launched asynchronously from the
+backward hook, so communication overlaps the rest of backward. Launch order is the
+same on every rank, so collectives always match.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..strategy import StepOutcome, StrategyContext, TrainingStrategy
+from ..utils import clip_coef, global_grad_norm, scale_grads_
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+           "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def comm_dtype(name):
+    if name is None:
+        return None
+    key = str(name).lower().replace("torch.", "")
+    if key not in _DTYPES:
+        from ...config.errors import DeepSpeedConfigError
+        raise DeepSpeedConfigError(
+            f"Invalid value for 'communication_data_type': {name!r}. Allowed: fp32, fp16, bf16.")
+    return _DTYPES[key]
+
+
+class _Bucket:
+    __slots__ = ("params", "offsets", "numel", "ready", "buffer", "work")
+
+    def __init__(self, params):
+        self.params = params
+        self.offsets = []
+        n = 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.ready = set()
+        self.buffer = None
+        self.work = None
+
+
+class GradientBucketer:
+    """Owns the buckets and the asynchronous all-reduces of one set of parameters.
+
+    ``reduce_op`` post-processing: gradients are divided by ``predivide`` before the
+    all-reduce and by ``world/predivide`` after it, which averages them
+    (``prescale_gradients`` / ``gradient_predivide_factor`` of the config).
+    """
+
+    def __init__(self, params, bucket_size: int, group, world_size: int, *, overlap: bool,
+                 prescale: bool = False, predivide: float = 1.0, dtype=None):
+        self.group = group
+        self.world_size = world_size
+        self.overlap = overlap
+        self.prescale = prescale
+        self.predivide = predivide
+        self.dtype = dtype
+        self.buckets: list[_Bucket] = []
+        cur, cur_n = [], 0
+        for p in reversed(list(params)):
+            cur.append(p)
+            cur_n += p.numel()
+            if cur_n >= bucket_size:
+                self.buckets.append(_Bucket(cur))
+                cur, cur_n = [], 0
+        if cur:
+            self.buckets.append(_Bucket(cur))
+        self._where = {id(p): b for b in self.buckets for p in b.params}
+        self._next = 0
+        self.launches = 0          # all-reduce launches since construction (tests count them)
+        self.armed = False
+
+    # -- called from backward hooks -----------------------------------------------
+    def mark_ready(self, p) -> None:
+        if not self.armed:
+            return
+        b = self._where.get(id(p))
+        if b is None:
+            return
+        b.ready.add(id(p))
+        if self.overlap:
+            self._launch_ready_in_order()
+
+    def _launch_ready_in_order(self):
+        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: _Bucket):
+        grads = []
+        for p in b.params:
+            grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
+        dtype = self.dtype or grads[0].dtype
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
+        pre = self.predivide if self.prescale or self.predivide != 1.0 else 1.0
+        if pre != 1.0:
+            flat.div_(pre)
+        b.buffer = flat
+        b.work = dist.all_reduce(flat, group=self.group, async_op=True) if self.world_size > 1 else None
+        self.launches += 1
+
+    # -- called at the end of backward on the boundary micro-step ------------------
+    def finish(self) -> None:
+        """Launch any bucket not yet launched (unused params, overlap off), wait for all,
+        and write the averaged gradients back into ``p.grad``."""
+        if not self.armed:
+            return
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        pre = self.predivide if self.prescale or self.predivide != 1.0 else 1.0
+        post = self.world_size / pre
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            if post != 1.0:
+                b.buffer.div_(post)
+            for p, off in zip(b.params, b.offsets):
+                src = b.buffer[off:off + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = src.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(src)
+            b.buffer = None
+            b.work = None
+            b.ready.clear()
+        self._next = 0
+        self.armed = False
+
+
+class DataParallelStrategy(TrainingStrategy):
+    """ZeRO stage 0 in full precision: the user's optimizer updates the module's
+    parameters directly; gradients are averaged across the data-parallel group."""
+
+    stage = 0
+
+    def __init__(self, module, ctx: StrategyContext):
+        super().__init__(module, ctx)
+        cfg = ctx.config
+        z = cfg.zero
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        if ctx.client_optimizer is not None:
+            self.optimizer = ctx.client_optimizer
+        elif ctx.optimizer_factory is not None:
+            self.optimizer = ctx.optimizer_factory(ctx.param_groups)
+        else:
+            self.optimizer = None
+        self.clip = cfg.gradient_clipping
+        self.bucketer = GradientBucketer(
+            self.params, z.reduce_bucket_size, ctx.dp_group, ctx.dp_world_size,
+            overlap=z.overlap_comm is not False, prescale=cfg.model.prescale_gradients,
+            predivide=cfg.model.gradient_predivide_factor,
+            dtype=comm_dtype(cfg.model.communication_data_type))
+        self._hooks = [p.register_post_accumulate_grad_hook(self.bucketer.mark_ready) for p in self.params]
+        self.last_grad_norm = None
+
+    @property
+    def allreduce_launches(self) -> int:
+        return self.bucketer.launches
+
+    def backward(self, loss, *, sync, retain_graph=False):
+        reduce_now = sync and self._sync_enabled and self.ctx.dp_world_size > 1
+        self.bucketer.armed = reduce_now
+        loss.backward(retain_graph=retain_graph)
+        if reduce_now:
+            self.bucketer.finish()
+
+    def step(self) -> StepOutcome:
+        norm = None
+        if self.clip > 0:  # like DeepSpeed, the fp32 stage-0 norm is computed only when clipping
+            norm = global_grad_norm(self.params, mpu=self.ctx.mpu)
+            scale_grads_([p.grad for p in self.params if p.grad is not None], clip_coef(norm, self.clip))
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self.last_grad_norm = norm
+        return StepOutcome(skipped=False, grad_norm=norm)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            super().zero_grad(set_to_none)
+
+    # -- checkpoint state ----------------------------------------------------------------
+    def save_optimizer_state(self, writer, dp_rank, mp_rank):
+        if dp_rank == 0 and self.optimizer is not None:
+            writer.save(f"mp_rank_{mp_rank:02d}_optim_states.pt",
+                        {"format": "torch_optimizer", "zero_stage": 0, "optimizer": self.optimizer.state_dict()})
+
+    def load_optimizer_state(self, reader, load_optimizer_states=True):
+        if not load_optimizer_states or self.optimizer is None:
+            return
+        mp_rank = self.ctx.mpu.get_model_parallel_rank() if self.ctx.mpu else 0
+        name = f"mp_rank_{mp_rank:02d}_optim_states.pt"
+        if not reader.exists(name):
+            from ..checkpoint.errors import CheckpointError
+            raise CheckpointError(
+                f"Checkpoint {reader.path} has no stage-0 optimizer file '{name}' "
+                f"(was it saved with a ZeRO stage this strategy cannot read?). "
+                f"Pass load_optimizer_states=False to load the model weights only.")
+        sd = reader.load(name)
+        self.optimizer.load_state_dict(sd["optimizer"])
+
+    def destroy(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
