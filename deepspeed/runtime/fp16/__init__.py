@@ -1,0 +1,1 @@
+"""DeepSpeed's import path for fp16 pieces; the code lives in runtime/precision."""
