@@ -17,6 +17,7 @@ test can never hang.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import queue
 import socket
@@ -44,7 +45,11 @@ def _worker(fn, rank, world_size, port, args, kwargs, result_q, init_pg, pg_time
             dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=pg_timeout))
         out = fn(rank, world_size, *args, **kwargs)
-        result_q.put((rank, True, out))
+        # Tensors go through torch.save bytes, not shared-memory handles: the worker may
+        # exit before the parent reads them.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        result_q.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         result_q.put((rank, False, traceback.format_exc()))
     finally:
@@ -54,6 +59,11 @@ def _worker(fn, rank, world_size, port, args, kwargs, result_q, init_pg, pg_time
                 dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _decode(payload: bytes):
+    import torch
+    return torch.load(io.BytesIO(payload), weights_only=False)
 
 
 def run_distributed(fn, world_size: int, args=(), kwargs=None, timeout: float = 180,
@@ -87,14 +97,17 @@ def run_distributed(fn, world_size: int, args=(), kwargs=None, timeout: float = 
                 for i in dead:
                     try:  # its report may still be in flight
                         rank, ok, payload = q.get(timeout=0.5)
-                        (results if ok else failures)[rank] = payload
+                        if ok:
+                            results[rank] = _decode(payload)
+                        else:
+                            failures[rank] = payload
                     except queue.Empty:
                         failures[i] = f"process exited with code {procs[i].exitcode} without reporting"
                 if failures:
                     break
                 continue
             if ok:
-                results[rank] = payload
+                results[rank] = _decode(payload)
             else:
                 failures[rank] = payload
                 break  # one failure: stop the rest rather than wait for their timeouts
