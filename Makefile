@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(VPY) -m pytest tests -x -q -p no:cacheprovider
 
 demo: $(STAMP)
-	$(VPY) examples/demo.py
+	$(VENV)/bin/deepspeed --num_procs 2 examples/train_gpt.py --deepspeed --deepspeed_config examples/ds_config.json
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done

@@ -159,7 +159,9 @@ class DataParallelStrategy(TrainingStrategy):
             overlap=z.overlap_comm is not False, prescale=cfg.model.prescale_gradients,
             predivide=cfg.model.gradient_predivide_factor,
             dtype=comm_dtype(cfg.model.communication_data_type))
-        self._hooks = [p.register_post_accumulate_grad_hook(self.bucketer.mark_ready) for p in self.params]
+        # One process: nothing to reduce, so no per-parameter hooks at all.
+        self._hooks = [p.register_post_accumulate_grad_hook(self.bucketer.mark_ready)
+                       for p in self.params] if ctx.dp_world_size > 1 else []
         self.last_grad_norm = None
 
     @property
