@@ -1,0 +1,212 @@
+"""How each multi-node back-end starts the job: one small class per tool.
+
+Each runner turns (arguments, active resources, exported variables) into the exact
+commands to run on this machine, as :class:`NodeCommand` objects (argv + the
+environment of the local client process). The runner module runs them under the same
+supervisor as the ranks.
+
+* ``pdsh`` and ``ssh`` run the per-node launcher (``deepspeed.launcher.launch``) on every
+  node, inside ``cd <cwd> && export NAME=VALUE && ...``; ranks get ``--local_rank``.
+* ``openmpi``, ``mpich`` and ``slurm`` start every rank themselves (one MPI task per
+  slot); ranks read their rank from the tool's variables (``OMPI_COMM_WORLD_RANK``,
+  ``PMI_RANK``, ``SLURM_PROCID``), which ``deepspeed.init_distributed`` understands, and
+  get ``MASTER_ADDR``/``MASTER_PORT`` exported. These tools cannot pick device ids, so
+  every node must use slots ``0..n-1``.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, List
+
+from .constants import (MPICH_LAUNCHER, OPENMPI_LAUNCHER, PDSH_LAUNCHER, SLURM_LAUNCHER, SSH_LAUNCHER)
+from .hostfile import ResourceError, total_slots
+
+
+@dataclass
+class NodeCommand:
+    """One process to start here: ``label`` names it in messages."""
+    label: str
+    argv: List[str]
+    env: Dict[str, str]
+    stdin_pipe: bool = False
+
+
+class MultiNodeRunner:
+    """Base class: holds the job description and the shared command pieces."""
+    name = ""
+    tool = ""
+
+    def __init__(self, args, world_info_base64: str, resources, exports: "OrderedDict[str, str]"):
+        self.args = args
+        self.world_info_base64 = world_info_base64
+        self.resources = resources
+        self.exports = OrderedDict(exports)
+        self.cwd = os.path.abspath(os.getcwd())
+
+    def backend_exists(self) -> bool:
+        return shutil.which(self.tool) is not None
+
+    def get_cmd(self, environment: Dict[str, str]) -> List[NodeCommand]:
+        raise TypeError(f"{type(self).__name__} does not build commands; use a concrete runner")
+
+    # -- shared pieces -------------------------------------------------------
+    @property
+    def launcher_args(self) -> List[str]:
+        return shlex.split(self.args.launcher_args or "")
+
+    def script_argv(self) -> List[str]:
+        """The user's program, as MPI/Slurm start it directly."""
+        a = self.args
+        if a.no_python:
+            head = [a.user_script]
+        elif a.module:
+            head = [sys.executable, "-u", "-m", a.user_script]
+        else:
+            head = [sys.executable, "-u", a.user_script]
+        return head + list(a.user_args)
+
+    def launch_argv(self, node_rank) -> List[str]:
+        """The per-node launcher command for ``node_rank`` (an int, or pdsh's ``%n``)."""
+        a = self.args
+        cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch",
+               f"--world_info={self.world_info_base64}", f"--node_rank={node_rank}",
+               f"--master_addr={a.master_addr}", f"--master_port={a.master_port}"]
+        for flag in ("no_local_rank", "module", "no_python"):
+            if getattr(a, flag, False):
+                cmd.append(f"--{flag}")
+        if getattr(a, "enable_each_rank_log", None):
+            cmd.append(f"--enable_each_rank_log={a.enable_each_rank_log}")
+        return cmd + [a.user_script] + list(a.user_args)
+
+    def remote_shell_command(self, argv: List[str]) -> str:
+        """``cd <cwd> && export K=V && ... && exec <argv>`` for a remote shell."""
+        parts = [f"cd {shlex.quote(self.cwd)}"]
+        parts += [f"export {k}={shlex.quote(v)}" for k, v in self.exports.items()]
+        parts.append("exec " + " ".join(shlex.quote(x) for x in argv))
+        return " && ".join(parts)
+
+    def require_leading_slots(self) -> None:
+        """MPI and Slurm start ``n`` tasks per node; they cannot choose device ids."""
+        for host, slots in self.resources.items():
+            if list(slots) != list(range(len(slots))):
+                raise ResourceError(
+                    f"--launcher {self.name} cannot use slots {slots} on host {host!r}: it starts "
+                    f"tasks on slots 0..n-1 only. Use --num_gpus, or --launcher pdsh/ssh to pick "
+                    f"specific slots")
+
+    def host_counts(self, sep: str = ":") -> str:
+        return ",".join(f"{h}{sep}{len(s)}" for h, s in self.resources.items())
+
+    def mpi_exports(self) -> "OrderedDict[str, str]":
+        out = OrderedDict(self.exports)
+        out["MASTER_ADDR"] = str(self.args.master_addr)
+        out["MASTER_PORT"] = str(self.args.master_port)
+        return out
+
+
+class PDSHRunner(MultiNodeRunner):
+    """``pdsh -S -f 1024 -w h1,h2 '<remote command>'``; pdsh puts each host's index in %n."""
+    name = PDSH_LAUNCHER
+    tool = "pdsh"
+
+    def get_cmd(self, environment):
+        env = dict(environment)
+        env["PDSH_RCMD_TYPE"] = "ssh"
+        if getattr(self.args, "ssh_port", None):
+            env["PDSH_SSH_ARGS_APPEND"] = (env.get("PDSH_SSH_ARGS_APPEND", "") +
+                                           f" -p {self.args.ssh_port}").strip()
+        argv = ["pdsh", "-S", "-f", "1024", "-w", ",".join(self.resources)] + self.launcher_args
+        argv.append(self.remote_shell_command(self.launch_argv("%n")))
+        return [NodeCommand("pdsh", argv, env)]
+
+
+class SSHRunner(MultiNodeRunner):
+    """One ``ssh host '<remote command>'`` per node; the remote launcher stops when the
+    connection (its stdin) closes."""
+    name = SSH_LAUNCHER
+    tool = "ssh"
+
+    def ssh_prefix(self) -> List[str]:
+        argv = ["ssh", "-o", "BatchMode=yes"]
+        if getattr(self.args, "ssh_port", None):
+            argv += ["-p", str(self.args.ssh_port)]
+        return argv + self.launcher_args
+
+    def get_cmd(self, environment):
+        cmds = []
+        for node_rank, host in enumerate(self.resources):
+            launch = self.launch_argv(node_rank)
+            launch.insert(launch.index(f"--node_rank={node_rank}") + 1, "--exit_on_stdin_eof")
+            argv = self.ssh_prefix() + [host, self.remote_shell_command(launch)]
+            cmds.append(NodeCommand(f"node {node_rank} ({host})", argv, dict(environment), stdin_pipe=True))
+        return cmds
+
+
+class OpenMPIRunner(MultiNodeRunner):
+    """``mpirun -n N -H h1:n1,h2:n2 -wdir <cwd> -x K=V ... python -u script args``."""
+    name = OPENMPI_LAUNCHER
+    tool = "ompi_info"
+
+    def get_cmd(self, environment):
+        self.require_leading_slots()
+        argv = ["mpirun", "-n", str(total_slots(self.resources)), "-H", self.host_counts(),
+                "-wdir", self.cwd] + self.launcher_args
+        for k, v in self.mpi_exports().items():
+            argv += ["-x", f"{k}={v}"]
+        return [NodeCommand("mpirun", argv + self.script_argv(), dict(environment))]
+
+
+class MPICHRunner(MultiNodeRunner):
+    """``mpirun -n N -hosts h1:n1,h2:n2 -wdir <cwd> -genv K V ... python -u script args`` (Hydra)."""
+    name = MPICH_LAUNCHER
+    tool = "mpirun"
+
+    def get_cmd(self, environment):
+        self.require_leading_slots()
+        argv = ["mpirun", "-n", str(total_slots(self.resources)), "-hosts", self.host_counts(),
+                "-wdir", self.cwd] + self.launcher_args
+        for k, v in self.mpi_exports().items():
+            argv += ["-genv", k, v]
+        return [NodeCommand("mpirun", argv + self.script_argv(), dict(environment))]
+
+
+class SlurmRunner(MultiNodeRunner):
+    """``srun -n N --nodes M --ntasks-per-node n --nodelist h1,h2 --export=ALL,K,...``.
+
+    Values travel in srun's own environment and are named in ``--export`` (srun takes
+    a bare name's value from its environment), so values may contain commas.
+    """
+    name = SLURM_LAUNCHER
+    tool = "srun"
+
+    def get_cmd(self, environment):
+        self.require_leading_slots()
+        per_node = {len(s) for s in self.resources.values()}
+        if len(per_node) != 1:
+            counts = ", ".join(f"{h}={len(s)}" for h, s in self.resources.items())
+            raise ResourceError(f"--launcher slurm needs the same number of slots on every node, got "
+                                f"{counts}; use --num_gpus to even them out")
+        exports = self.mpi_exports()
+        env = dict(environment)
+        env.update(exports)
+        argv = ["srun", "-n", str(total_slots(self.resources)), "--nodes", str(len(self.resources)),
+                "--ntasks-per-node", str(per_node.pop()), "--nodelist", ",".join(self.resources),
+                "--chdir", self.cwd, "--export=" + ",".join(["ALL"] + list(exports))]
+        return [NodeCommand("srun", argv + self.launcher_args + self.script_argv(), env)]
+
+
+RUNNERS = {r.name: r for r in (PDSHRunner, SSHRunner, OpenMPIRunner, MPICHRunner, SlurmRunner)}
+
+
+def get_runner(name: str, args, world_info_base64: str, resources, exports) -> MultiNodeRunner:
+    try:
+        cls = RUNNERS[name]
+    except KeyError:
+        raise ResourceError(f"--launcher {name!r} is not supported; choose one of "
+                            f"{', '.join(RUNNERS)}") from None
+    return cls(args, world_info_base64, resources, exports)
