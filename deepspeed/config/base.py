@@ -2,6 +2,7 @@
 errors into messages that name the key path, the value and what is allowed."""
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -36,10 +37,30 @@ def _field_names(model_cls) -> list[str]:
     return names
 
 
+def _submodel(ann):
+    """``(model class, container keys to skip)`` for a field annotation: a model,
+    ``Optional[model]``, ``Dict[str, model]`` or ``List[model]`` (the dict key or list
+    index appears in the error location before the model's own keys)."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann, 0
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin in (dict, list, tuple) and args:
+        cls, skip = _submodel(args[-1] if origin is dict else args[0])
+        return (cls, skip + 1) if cls is not None else (None, 0)
+    for cand in args:
+        cls, skip = _submodel(cand)
+        if cls is not None:
+            return cls, skip
+    return None, 0
+
+
 def _resolve_model_at(root_cls, loc: tuple):
     """Walk the model classes along an error location to find the model owning the last key."""
-    cls = root_cls
+    cls, skip = root_cls, 0
     for part in loc[:-1]:
+        if skip:
+            skip -= 1
+            continue
         if not isinstance(part, str) or cls is None:
             return None
         fld = None
@@ -49,16 +70,8 @@ def _resolve_model_at(root_cls, loc: tuple):
                 break
         if fld is None:
             return None
-        ann = fld.annotation
-        sub = None
-        for cand in getattr(ann, "__args__", ()) or (ann,):
-            if isinstance(cand, type) and issubclass(cand, BaseModel):
-                sub = cand
-                break
-        if sub is None and isinstance(ann, type) and issubclass(ann, BaseModel):
-            sub = ann
-        cls = sub
-    return cls
+        cls, skip = _submodel(fld.annotation)
+    return cls if not skip else None
 
 
 def format_validation_error(err: ValidationError, root_cls, prefix: str = "") -> str:
@@ -72,6 +85,8 @@ def format_validation_error(err: ValidationError, root_cls, prefix: str = "") ->
             hint = did_you_mean(str(loc[-1]), _field_names(owner)) if owner is not None else ""
             valid = f" Valid keys here: {', '.join(sorted(_field_names(owner)))}." if owner is not None and not hint else ""
             lines.append(f"Unknown config key '{path}'.{hint}{valid}")
+        elif typ == "missing":
+            lines.append(f"Missing required config key '{path}'.")
         else:
             val = e.get("input")
             msg = e["msg"]

@@ -18,7 +18,14 @@ from pydantic import Field
 
 from .base import DSConfigModel, parse_section
 from .errors import DeepSpeedConfigError
+from .compression_sections import CompressionTrainingSection
+from .data_sections import CurriculumLearningSection, DataEfficiencySection
+from .extra_sections import (AioSection, AutotuningSection, EigenvalueSection, ElasticitySection,
+                             HybridEngineSection, NebulaSection, PipelineSection, ProgressiveLayerDropSection,
+                             QuantizeTrainingSection, SparseAttentionSection, WeightQuantizationSection)
 from .feature_sections import check_unbuilt
+from .monitor_sections import (CometSection, CommsLoggerSection, CSVMonitorSection, FlopsProfilerSection,
+                               TensorBoardSection, WandbSection)
 from .sections import (ActivationCheckpointingSection, AmpSection, BF16Section, CheckpointSection,
                        DataTypesSection, FP16Section, OptimizerSection, SchedulerSection,
                        TorchAutocastSection, ZeroSection)
@@ -60,27 +67,28 @@ class DeepSpeedConfigModel(DSConfigModel):
     activation_checkpointing: ActivationCheckpointingSection = Field(default_factory=ActivationCheckpointingSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
 
-    # Sections parsed but whose features are not built (see feature_sections.py).
-    tensorboard: AnyDict = None
-    wandb: AnyDict = None
-    comet: AnyDict = None
-    csv_monitor: AnyDict = None
-    flops_profiler: AnyDict = None
-    comms_logger: AnyDict = None
-    sparse_attention: AnyDict = None
-    compression_training: AnyDict = None
-    elasticity: AnyDict = None
-    autotuning: AnyDict = None
-    data_efficiency: AnyDict = None
-    curriculum_learning: AnyDict = None
-    progressive_layer_drop: AnyDict = None
-    eigenvalue: AnyDict = None
-    quantize_training: AnyDict = None
-    hybrid_engine: AnyDict = None
-    nebula: AnyDict = None
-    weight_quantization: AnyDict = None
-    aio: AnyDict = None
-    pipeline: AnyDict = None
+    # Sections parsed and validated; those in feature_sections.UNBUILT_FEATURES are
+    # refused at initialize when switched on. aio and pipeline only configure things.
+    tensorboard: Optional[TensorBoardSection] = None
+    wandb: Optional[WandbSection] = None
+    comet: Optional[CometSection] = None
+    csv_monitor: Optional[CSVMonitorSection] = None
+    flops_profiler: Optional[FlopsProfilerSection] = None
+    comms_logger: Optional[CommsLoggerSection] = None
+    sparse_attention: Optional[SparseAttentionSection] = None
+    compression_training: Optional[CompressionTrainingSection] = None
+    elasticity: Optional[ElasticitySection] = None
+    autotuning: Optional[AutotuningSection] = None
+    data_efficiency: Optional[DataEfficiencySection] = None
+    curriculum_learning: Optional[CurriculumLearningSection] = None
+    progressive_layer_drop: Optional[ProgressiveLayerDropSection] = None
+    eigenvalue: Optional[EigenvalueSection] = None
+    quantize_training: Optional[QuantizeTrainingSection] = None
+    hybrid_engine: Optional[HybridEngineSection] = None
+    nebula: Optional[NebulaSection] = None
+    weight_quantization: Optional[WeightQuantizationSection] = None
+    aio: Optional[AioSection] = None
+    pipeline: Optional[PipelineSection] = None
     moe: AnyDict = None
     zero_config: AnyDict = None
 
