@@ -32,7 +32,7 @@ from .hostfile import (ResourceError, encode_world_info, fetch_hostfile, pool_fr
                        select_resources)
 
 __all__ = ["DEEPSPEED_ENVIRONMENT_NAME", "main", "parse_args", "build_parser", "read_env_file",
-           "load_deepspeed_env", "collect_exports", "resolve_resources"]
+           "load_deepspeed_env", "collect_exports", "resolve_resources", "multinode_commands"]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -83,17 +83,21 @@ def parse_args(args: Optional[List[str]] = None):
 def read_env_file(path: str) -> "OrderedDict[str, str]":
     """``NAME=VALUE`` lines (blank lines and ``#`` comments allowed); errors name file:line."""
     out: "OrderedDict[str, str]" = OrderedDict()
-    with open(path, encoding="utf-8") as f:
-        for lineno, raw in enumerate(f, start=1):
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            name, sep, value = line.partition("=")
-            name = name.strip()
-            if not sep or not _ENV_NAME.match(name):
-                raise ResourceError(f"{path}:{lineno}: expected NAME=VALUE with a valid variable name, "
-                                    f"got {raw.strip()!r}")
-            out[name] = value.strip()
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError as err:
+        raise ResourceError(f"cannot read {path!r}: {err.strerror or err}") from None
+    for lineno, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        name = name.strip()
+        if not sep or not _ENV_NAME.match(name):
+            raise ResourceError(f"{path}:{lineno}: expected NAME=VALUE with a valid variable name, "
+                                f"got {raw.strip()!r}")
+        out[name] = value.strip()
     return out
 
 
@@ -183,17 +187,31 @@ def _check_ssh(args, host: str) -> None:
                             "set up ssh keys or pass --no_ssh_check")
 
 
-def _launch_multinode(args, world_info: str, active, env: Dict[str, str], env_file_vars) -> int:
-    from ..utils.logging import logger
+def multinode_commands(args, environ: Optional[Dict[str, str]] = None):
+    """Everything a multi-node launch would run, without running it.
+
+    Returns ``(runner, commands)``; ``environ`` defaults to this process's environment.
+    """
     from .multinode_runner import get_runner
+    environ = dict(os.environ if environ is None else environ)
+    active = resolve_resources(args)
+    env_file_vars = load_deepspeed_env(environ=environ)
+    env = job_environment(environ, env_file_vars, os.path.abspath(os.getcwd()))
+    args.master_addr = args.master_addr or next(iter(active))
+    runner = get_runner(args.launcher, args, encode_world_info(active), active,
+                        collect_exports(env, env_file_vars))
+    return runner, runner.get_cmd(env)
+
+
+def _launch_multinode(args) -> int:
+    from ..utils.logging import logger
     from .supervisor import Member, Supervisor
-    runner = get_runner(args.launcher, args, world_info, active, collect_exports(env, env_file_vars))
+    runner, cmds = multinode_commands(args)
     if not runner.backend_exists():
         raise ResourceError(f"--launcher {args.launcher} needs {runner.tool!r}, which is not on PATH; "
                             f"install it or choose another of {', '.join(MULTINODE_LAUNCHERS)}")
     if args.launcher in (PDSH_LAUNCHER, SSH_LAUNCHER) and not args.no_ssh_check:
-        _check_ssh(args, next(iter(active)))
-    cmds = runner.get_cmd(env)
+        _check_ssh(args, next(iter(runner.resources)))
     for c in cmds:
         logger.info(f"{c.label}: {shlex.join(c.argv)}")
     members = [Member(label=c.label, argv=c.argv, env=c.env, stdin_pipe=c.stdin_pipe) for c in cmds]
@@ -201,26 +219,22 @@ def _launch_multinode(args, world_info: str, active, env: Dict[str, str], env_fi
 
 
 def run(args) -> int:
+    """Resolve the resources and start the job; returns the exit code."""
     from ..utils.logging import logger
     active = resolve_resources(args)
-    env_file_vars = load_deepspeed_env()
-    env = job_environment(os.environ, env_file_vars, os.path.abspath(os.getcwd()))
-    world_info = encode_world_info(active)
     logger.info(f"active resources: {dict(active)}")
-    if args.no_ssh:
-        if args.node_rank < 0:
+    if args.node_rank >= 0 and not args.no_ssh:
+        raise ResourceError("--node_rank is only used with --no_ssh")
+    if args.no_ssh or (len(active) == 1 and not args.force_multi):
+        if args.no_ssh and args.node_rank < 0:
             raise ResourceError("--no_ssh needs --node_rank (this node's index in the hostfile)")
         if len(active) > 1 and not args.master_addr:
             raise ResourceError("--no_ssh with several nodes needs --master_addr (the rank-0 node)")
         args.master_addr = args.master_addr or DEFAULT_MASTER_ADDR
-        return _launch_locally(args, world_info, args.node_rank, env)
-    if args.node_rank >= 0:
-        raise ResourceError("--node_rank is only used with --no_ssh")
-    if len(active) == 1 and not args.force_multi:
-        args.master_addr = args.master_addr or DEFAULT_MASTER_ADDR
-        return _launch_locally(args, world_info, 0, env)
-    args.master_addr = args.master_addr or next(iter(active))
-    return _launch_multinode(args, world_info, active, env, env_file_vars)
+        env_file_vars = load_deepspeed_env()
+        env = job_environment(os.environ, env_file_vars, os.path.abspath(os.getcwd()))
+        return _launch_locally(args, encode_world_info(active), max(args.node_rank, 0), env)
+    return _launch_multinode(args)
 
 
 def main(args: Optional[List[str]] = None) -> int:

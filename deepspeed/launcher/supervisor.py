@@ -77,10 +77,12 @@ def _watch_stdin() -> None:
     """Turn EOF on our stdin into SIGTERM to ourselves: under ssh it means the
     connection to the runner is gone, and the ranks must not run on unattended."""
     def reader():
+        # os.read on the raw descriptor: a thread blocked in sys.stdin.buffer would
+        # hold its lock and abort the interpreter at shutdown.
         try:
-            while sys.stdin.buffer.read(4096):
+            while os.read(0, 4096):
                 pass
-        except (OSError, ValueError, AttributeError):
+        except OSError:
             pass
         os.kill(os.getpid(), signal.SIGTERM)
     threading.Thread(target=reader, name="stdin-watchdog", daemon=True).start()
