@@ -77,9 +77,24 @@ def rank_environments(world, node_rank: int, master_addr: str, master_port: int,
 
 
 def _set_visible_devices(env: Dict[str, str], slots: List[int]) -> None:
-    """Restrict the node's ranks to the chosen devices (CUDA_VISIBLE_DEVICES on CUDA)."""
+    """Restrict the node's ranks to the chosen devices (CUDA_VISIBLE_DEVICES on CUDA).
+
+    Slot ids count the devices this node can see: when the variable is already set
+    (say ``4,5,6,7``), slot 1 means device ``5``, not physical device 1.
+    """
     from ..accelerator import get_accelerator
-    get_accelerator().set_visible_devices_envs(env, slots)
+    acc = get_accelerator()
+    ids: List = list(slots)
+    for name in acc.visible_devices_envs():
+        current = [d.strip() for d in env.get(name, "").split(",") if d.strip()]
+        if current:
+            too_big = [s for s in slots if s >= len(current)]
+            if too_big:
+                raise ResourceError(f"slot(s) {too_big} do not exist: {name}={env[name]!r} makes only "
+                                    f"{len(current)} device(s) visible on this node")
+            ids = [current[s] for s in slots]
+            break
+    acc.set_visible_devices_envs(env, ids)
 
 
 def build_members(args, base_env: Optional[Dict[str, str]] = None) -> List[Member]:

@@ -231,6 +231,8 @@ def run(args) -> int:
         if len(active) > 1 and not args.master_addr:
             raise ResourceError("--no_ssh with several nodes needs --master_addr (the rank-0 node)")
         args.master_addr = args.master_addr or DEFAULT_MASTER_ADDR
+        if not (args.module or args.no_python) and not os.path.isfile(args.user_script):
+            raise ResourceError(f"user_script {args.user_script!r} does not exist (looked in {os.getcwd()})")
         env_file_vars = load_deepspeed_env()
         env = job_environment(os.environ, env_file_vars, os.path.abspath(os.getcwd()))
         return _launch_locally(args, encode_world_info(active), max(args.node_rank, 0), env)

@@ -149,6 +149,22 @@ def test_cuda_visible_devices_follow_chosen_slots():
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
 
 
+def test_slots_index_into_an_existing_cuda_visible_devices():
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+    from deepspeed.accelerator.real_accelerator import set_accelerator
+    previous = get_accelerator()
+    set_accelerator(CUDA_Accelerator())
+    try:
+        envs = launch.rank_environments(OrderedDict(h=[1, 3]), 0, "127.0.0.1", 1,
+                                        {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+        assert envs[0]["CUDA_VISIBLE_DEVICES"] == "5,7"
+        with pytest.raises(ResourceError, match=r"slot\(s\) \[2\] do not exist: CUDA_VISIBLE_DEVICES='4,5'"):
+            launch.rank_environments(OrderedDict(h=[0, 2]), 0, "127.0.0.1", 1, {"CUDA_VISIBLE_DEVICES": "4,5"})
+    finally:
+        set_accelerator(previous)
+
+
 def test_rank_commands():
     p = launch.build_parser()
     a = p.parse_args(["--world_info=x", "train.py", "--lr", "1"])

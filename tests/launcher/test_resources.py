@@ -212,3 +212,10 @@ def test_collect_exports_prefixes_and_file_vars():
     got = runner.collect_exports(environ, {"NCCL_DEBUG": "INFO", "FROM_FILE": "1"})
     assert list(got.items()) == [("MV2_X", "1"), ("NCCL_DEBUG", "INFO"), ("PYTHONPATH", "/x"),
                                  ("UCX_TLS", "tcp"), ("FROM_FILE", "1")]
+
+
+def test_missing_user_script_is_reported(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(hf, "DEFAULT_HOSTFILE", str(tmp_path / "absent"))
+    monkeypatch.chdir(tmp_path)
+    assert runner.main(["no_such_train.py"]) == 2
+    assert "user_script 'no_such_train.py' does not exist" in capsys.readouterr().err
