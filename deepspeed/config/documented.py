@@ -51,13 +51,14 @@ class Config:
             if name.startswith("_") or callable(value) or isinstance(value, (property, classmethod, staticmethod)):
                 continue
             fields[name] = value
-        cls._fields = fields
+        cls._fields = fields or None  # a subclass declaring no fields stays free-form, like Config
 
     def __init__(self, **kwargs):
         reserved = _reserved_names(type(self)) & set(kwargs)
         if reserved:
             raise DeepSpeedConfigError(
-                f"{type(self).__name__}: {', '.join(sorted(reserved))} is a method or property name and cannot be a config key.")
+                f"{type(self).__name__}: {', '.join(sorted(reserved))} is a method or property name "
+                f"and cannot be a config key.")
         if self._fields is not None:
             self._check_known(kwargs)
             for name, default in self._fields.items():
@@ -191,7 +192,8 @@ class BatchConfig(Config):
         if world_size is None:
             world_size = self._resolved_world_size()
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise DeepSpeedConfigError(f"BatchConfig.resolve: world_size must be a positive integer, got {world_size!r}.")
+            raise DeepSpeedConfigError(
+                f"BatchConfig.resolve: world_size must be a positive integer, got {world_size!r}.")
         values = resolve_batch_sizes(self.train_batch_size, self.train_micro_batch_size_per_gpu,
                                      self.gradient_accumulation_steps, world_size)
         for key, value in zip(BATCH_KEYS, values):

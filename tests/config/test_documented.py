@@ -58,6 +58,21 @@ def test_plain_config_is_valid_and_resolve_returns_self():
     assert c.resolve() is c and c.is_valid() is True
 
 
+def test_subclass_groups_declared_fields_and_free_form_subclass_accepts_any():
+    class Logging(Config):
+        verbose = False
+        path = None
+
+    class Anything(Config):
+        pass
+
+    log = Logging(path="/tmp/x")
+    assert (log.verbose, log["path"]) == (False, "/tmp/x")
+    with pytest.raises(DeepSpeedConfigError, match="Did you mean 'verbose'"):
+        Logging(verbos=True)
+    assert Anything(depth=2).depth == 2
+
+
 def test_subclass_unknown_key_suggests_the_field():
     with pytest.raises(DeepSpeedConfigError) as info:
         BatchConfig(train_batch_sise=8)
@@ -241,4 +256,5 @@ def test_exported_where_documented():
     assert ds_config.Config is Config and ds_config.TrainingConfig is TrainingConfig
     assert issubclass(BatchConfig, Config) and issubclass(FP16Config, Config) and issubclass(TrainingConfig, Config)
     from deepspeed.runtime.config import DeepSpeedConfig as RC, DeepSpeedConfigError as RE, DeepSpeedConfigModel
-    assert RC is DeepSpeedConfig and RE is DeepSpeedConfigError and DeepSpeedConfigModel is ds_config.DeepSpeedConfigModel
+    assert RC is DeepSpeedConfig and RE is DeepSpeedConfigError
+    assert DeepSpeedConfigModel is ds_config.DeepSpeedConfigModel
