@@ -232,6 +232,15 @@ class DeepSpeedConfig:
         return self.model.scheduler
 
     @property
+    def monitor_config(self):
+        """The monitor sections together (``MonitorMaster(ds_config.monitor_config)``)."""
+        from types import SimpleNamespace
+        m = self.model
+        return SimpleNamespace(tensorboard=m.tensorboard, wandb=m.wandb, comet=m.comet, csv_monitor=m.csv_monitor,
+                               enabled=any(getattr(s, "enabled", False) for s in
+                                           (m.tensorboard, m.wandb, m.comet, m.csv_monitor) if s is not None))
+
+    @property
     def activation_checkpointing_config(self):
         return self.model.activation_checkpointing
 

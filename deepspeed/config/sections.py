@@ -167,7 +167,7 @@ class CheckpointParallelWrite(DSConfigModel):
 
 
 class CheckpointSection(DSConfigModel):
-    tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail", "IGNORE", "WARN", "FAIL"] = "Warn"
+    tag_validation: str = "Warn"  # Ignore | Warn | Fail, any capitalisation
     load_universal: bool = False
     use_node_local_storage: bool = False
     parallel_write: CheckpointParallelWrite = Field(default_factory=CheckpointParallelWrite)
@@ -175,4 +175,6 @@ class CheckpointSection(DSConfigModel):
     @field_validator("tag_validation")
     @classmethod
     def _norm(cls, v):
-        return v.capitalize()
+        if str(v).capitalize() not in ("Ignore", "Warn", "Fail"):
+            raise ValueError("allowed: 'Ignore', 'Warn', 'Fail'")
+        return str(v).capitalize()
