@@ -153,14 +153,33 @@ def test_python_m_runner_no_local_rank(tmp_path):
         assert not any(x.startswith("--local_rank") for x in rec["argv"])
 
 
-def test_two_nodes_over_ssh_stand_in(tmp_path):
-    """The ssh back-end for real, with ``ssh`` replaced by a script that runs the remote
-    command in a local shell: exercises quoting, cd, exports, node ranks and world info."""
+FAKE_SSH = """#!/bin/bash
+# stand-in for ssh: run the last argument (the remote command) in a local shell
+for last; do :; done
+exec bash -c "$last"
+"""
+
+FAKE_PDSH = """#!/bin/bash
+# stand-in for pdsh: run the command once per -w host, locally, with %n = the host's index
+while [ $# -gt 0 ]; do
+  case "$1" in -S) shift;; -f) shift 2;; -w) hosts="$2"; shift 2;; *) break;; esac
+done
+cmd="$*"; i=0; pids=()
+IFS=, read -ra hs <<< "$hosts"
+for h in "${hs[@]}"; do bash -c "${cmd//%n/$i}" & pids+=($!); i=$((i+1)); done
+rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc
+"""
+
+
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_two_nodes_through_local_stand_in(tmp_path, launcher):
+    """The ssh and pdsh back-ends for real, with the tool replaced by a script that runs
+    the remote command in a local shell: exercises quoting, cd, exports, node ranks and
+    world info (not the network transport)."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    fake = bindir / "ssh"
-    fake.write_text('#!/bin/bash\n# stand-in for ssh: run the last argument here\n'
-                    'for last; do :; done\nexec bash -c "$last"\n')
+    fake = bindir / launcher
+    fake.write_text(FAKE_SSH if launcher == "ssh" else FAKE_PDSH)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     (tmp_path / "hostfile").write_text("node-a slots=1\nnode-b slots=1\n")
     (tmp_path / ".deepspeed_env").write_text("DS_TEST_VAR=it's a 'quoted' $value\n")
@@ -170,8 +189,9 @@ def test_two_nodes_over_ssh_stand_in(tmp_path):
     env = _env(tmp_path)
     env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
     port = free_port()
-    res = subprocess.run([DEEPSPEED, "--hostfile", "hostfile", "--launcher", "ssh", "--master_addr", "127.0.0.1",
-                          "--master_port", str(port), "ar.py", "--out", "out"],
+    check = ["--no_ssh_check"] if launcher == "pdsh" else []  # the ssh stand-in also serves the check
+    res = subprocess.run([DEEPSPEED, "--hostfile", "hostfile", "--launcher", launcher, *check,
+                          "--master_addr", "127.0.0.1", "--master_port", str(port), "ar.py", "--out", "out"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     for r, rec in enumerate(_records(out, 2)):
