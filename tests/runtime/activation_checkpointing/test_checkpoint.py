@@ -285,3 +285,37 @@ def test_profile_logs_forward_and_recompute_times():
     mine = [m for m in records if "my_layer" in m]
     assert any("forward" in m and " ms" in m for m in mine), records
     assert any("recompute" in m and " ms" in m for m in mine), records
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("options", [
+    {}, {"checkpoint_in_cpu": True},
+    {"partition_activations": True, "contiguous_checkpointing": True, "num_checkpoints": 3, "checkpoint_in_cpu": True},
+])
+def test_cuda_gradients_match_plain(options):
+    model = Stack(d=8, layers=3).cuda()
+    x = torch.randn(4, 8, device="cuda")
+    ref = grads_of(model, x)
+    ckpt.configure(None, **options)
+    _assert_same(ref, grads_of(model, x, ckpt=ckpt.checkpoint))
+    with SavedBytes() as meter:
+        ckpt.checkpoint(model.blocks[0], x.clone().requires_grad_(True))
+    expected = "cpu" if options.get("checkpoint_in_cpu") else "cuda"
+    assert {t.device.type for t in meter.tensors} == {expected}
+
+
+def test_non_reentrant_with_partition_config_warns_and_stays_correct(monkeypatch):
+    from deepspeed.runtime.activation_checkpointing import checkpointing as impl
+    monkeypatch.setattr(impl, "_warned_reentrant_only", False)
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    deepspeed.utils.logger.addHandler(handler)
+    try:
+        ckpt.configure(None, partition_activations=True)
+        x = torch.randn(3, requires_grad=True)
+        (g,) = torch.autograd.grad(ckpt.non_reentrant_checkpoint(torch.sin, x).sum(), x)
+    finally:
+        deepspeed.utils.logger.removeHandler(handler)
+    assert torch.equal(g, torch.cos(x.detach()))
+    assert any("reentrant checkpoint only" in m for m in records), records
