@@ -165,7 +165,6 @@ class CheckpointFunction(torch.autograd.Function):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads = tuple(x.grad if torch.is_tensor(x) and x.requires_grad else None for x in inputs)
         anchor = (None,) if ctx.anchored else ()
-        ctx.kept = None
         return (None,) + anchor + grads
 
 

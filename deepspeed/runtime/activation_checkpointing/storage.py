@@ -131,6 +131,7 @@ class KeptInputs:
         self.world, self.rank, self.group = _model_parallel(mpu)
         self.layout: List[KeptArg] = []
         self.slot: Optional[int] = None
+        self.slot_released = False
 
     # -- forward --------------------------------------------------------------
     def keep(self, args) -> List[torch.Tensor]:
@@ -180,6 +181,11 @@ class KeptInputs:
     # -- backward -------------------------------------------------------------
     def restore(self, saved) -> List[Any]:
         """Rebuild the arguments as fresh leaves (requires_grad as they were)."""
+        if self.slot_released:
+            raise RuntimeError(
+                "A checkpointed call ran backward twice (retain_graph=True) with contiguous_memory_optimization "
+                "on: its buffer slot was handed back after the first backward and may have been reused. "
+                "Turn contiguous_memory_optimization off to backpropagate through the same graph twice.")
         out = []
         for k in self.layout:
             if k.kind == _OBJECT:
@@ -195,7 +201,7 @@ class KeptInputs:
             out.append(t)
         if self.slot is not None:
             CONTIGUOUS_BUFFERS.release(self.slot)
-            self.slot = None
+            self.slot, self.slot_released = None, True
         return out
 
     def _gather(self, part: torch.Tensor, k: KeptArg) -> torch.Tensor:

@@ -319,3 +319,22 @@ def test_non_reentrant_with_partition_config_warns_and_stays_correct(monkeypatch
         deepspeed.utils.logger.removeHandler(handler)
     assert torch.equal(g, torch.cos(x.detach()))
     assert any("reentrant checkpoint only" in m for m in records), records
+
+
+def test_retain_graph_backward_twice():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    lin(x).sum().backward()
+    once = lin.weight.grad.clone()
+    lin.weight.grad = None
+    y = ckpt.checkpoint(lin, x).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    assert torch.equal(lin.weight.grad, 2 * once)
+    # With the contiguous buffer the slot is reused after the first backward: refused, not silently wrong.
+    ckpt.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=2)
+    y = ckpt.checkpoint(lin, x).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        y.backward()
