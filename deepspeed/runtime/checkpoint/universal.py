@@ -1,0 +1,272 @@
+"""The optimizer-side checkpoint format shared by every ZeRO stage ("fragments").
+
+Why: a checkpoint must load at any data-parallel world size and any ZeRO stage with
+no offline conversion. So nothing in the files depends on how a rank's partition
+was laid out in memory; everything is keyed by *parameter name* and by element
+offsets within the flattened parameter.
+
+Files. Each data-parallel rank ``dp`` of model-parallel rank ``mp`` writes one file,
+``zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt`` (stage 0 writes only dp 0),
+holding one dict, its *rank state*::
+
+    {
+      "format": "deepspeed-fragments", "version": 1,
+      "zero_stage": 0..3, "dp_world_size": int, "dp_rank": int, "mp_rank": int,
+      "dtype": "fp32" | "fp16" | "bf16",          # dtype the module trained in
+      "params": {                                   # trainable parameters this rank owns elements of
+        "<name>": {"shape": [...],                  # full (unpartitioned) shape
+                   "fragments": [                   # disjoint runs of the flattened parameter
+                       {"offset": int, "numel": int,
+                        "fp32": Tensor[numel],      # fp32 master weights of those elements
+                        "state": {"exp_avg": Tensor[numel], "exp_avg_sq": Tensor[numel], ...}},
+                   ]},
+      },
+      "param_groups": [{"params": ["<name>", ...], "lr": ..., "betas": ..., ...}],   # every file: all groups
+      "group_state": [{"step": ...}],               # per group: optimizer state that is not per element
+      "optimizer_class": "AdamW" | None,
+      "loss_scaler": dict | None,                   # LossScalerBase.state_dict()
+      "extra": {...},                               # strategy-specific, never required to load
+    }
+
+Rules every writer follows (stage 3 included):
+  * Over all files of a checkpoint, the fragments of one parameter are disjoint and
+    cover ``[0, numel)`` exactly once. Padding is never written.
+  * Per-element optimizer state (a tensor with as many elements as the fragment) goes
+    under ``fragment["state"]``, flattened. Anything else the optimizer keeps per
+    parameter (Adam's ``step``) is identical for every parameter of a group, and
+    goes once into ``group_state[i]``.
+  * ``param_groups[i]["params"]`` lists the group's parameter names in the group's
+    order; the other keys are the optimizer's hyperparameters for that group.
+
+Readers use :class:`FragmentIndex`: it opens every rank file of a tag memory-mapped
+and copies any element range of any parameter out of whichever files hold it, so a
+loader only touches the bytes of its own partition and consolidation needs memory
+for one tensor at a time.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Dict, Iterable, List, Optional
+
+import torch
+
+from .errors import CheckpointError
+
+FORMAT = "deepspeed-fragments"
+VERSION = 1
+_FILE_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def optim_file_name(dp_rank: int, mp_rank: int) -> str:
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype))
+
+
+def split_param_state(state: dict, shape) -> tuple:
+    """Split one parameter's torch optimizer state into per-element tensors (those shaped
+    like the parameter, e.g. ``exp_avg``) and the rest (``step`` and other scalars)."""
+    shape = torch.Size(shape)
+    per_elem, scalars = {}, {}
+    for k, v in state.items():
+        if torch.is_tensor(v) and v.shape == shape and k != "step":
+            per_elem[k] = v
+        else:
+            scalars[k] = v
+    return per_elem, scalars
+
+
+def make_rank_state(*, zero_stage: int, dp_world_size: int, dp_rank: int, mp_rank: int, dtype,
+                    params: Dict[str, dict], param_groups: List[dict], group_state: List[dict],
+                    optimizer_class: Optional[str], loss_scaler: Optional[dict], extra: Optional[dict] = None) -> dict:
+    """Assemble a rank state (see the module docstring); tensors are made contiguous
+    CPU clones so a save never drags whole flat buffers into the file."""
+    def _cpu(t):
+        return t.detach().reshape(-1).to("cpu", copy=True).contiguous()
+
+    out_params = {}
+    for name, entry in params.items():
+        frags = []
+        for f in entry["fragments"]:
+            frags.append({"offset": int(f["offset"]), "numel": int(f["numel"]), "fp32": _cpu(f["fp32"]).float(),
+                          "state": {k: _cpu(v) for k, v in f.get("state", {}).items()}})
+        out_params[name] = {"shape": [int(s) for s in entry["shape"]], "fragments": frags}
+    return {"format": FORMAT, "version": VERSION, "zero_stage": int(zero_stage),
+            "dp_world_size": int(dp_world_size), "dp_rank": int(dp_rank), "mp_rank": int(mp_rank),
+            "dtype": dtype if isinstance(dtype, str) else dtype_name(dtype), "params": out_params,
+            "param_groups": [_plain_group(g) for g in param_groups],
+            "group_state": [{k: _plain(v) for k, v in gs.items()} for gs in group_state],
+            "optimizer_class": optimizer_class, "loss_scaler": loss_scaler, "extra": dict(extra or {})}
+
+
+def _plain(v):
+    if torch.is_tensor(v):
+        return v.detach().to("cpu", copy=True)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_plain(x) for x in v)
+    return v
+
+
+def _plain_group(g: dict) -> dict:
+    out = {k: _plain(v) for k, v in g.items() if k != "params"}
+    out["params"] = list(g["params"])
+    return out
+
+
+def list_rank_files(directory: str, mp_rank: int = 0) -> List[str]:
+    """The optimizer files of one model-parallel rank, ordered by dp rank."""
+    found = []
+    for n in os.listdir(directory):
+        m = _FILE_RE.match(n)
+        if m and int(m.group(2)) == mp_rank:
+            found.append((int(m.group(1)), n))
+    return [os.path.join(directory, n) for _, n in sorted(found)]
+
+
+def _load(path: str):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 - name the file
+        raise CheckpointError(f"Could not read optimizer checkpoint file '{path}': {err}") from None
+
+
+class FragmentIndex:
+    """All rank files of one checkpoint tag, indexed by parameter name.
+
+    ``read(name, key, start, numel)`` copies an element range of the flattened
+    parameter (``key`` is ``"fp32"`` or an optimizer state name such as ``"exp_avg"``)
+    out of the fragments that hold it; missing elements are an error.
+    """
+
+    def __init__(self, directory: str, mp_rank: int = 0):
+        self.directory = directory
+        paths = list_rank_files(directory, mp_rank)
+        if not paths:
+            raise CheckpointError(
+                f"No ZeRO optimizer files 'zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt' in "
+                f"'{directory}'. Was this checkpoint saved by deepspeed.save_checkpoint? Pass "
+                f"load_optimizer_states=False to load the module weights only.")
+        self.states = [_load(p) for p in paths]
+        for p, st in zip(paths, self.states):
+            if not isinstance(st, dict) or st.get("format") != FORMAT:
+                raise CheckpointError(
+                    f"'{p}' is not in the '{FORMAT}' format (found format "
+                    f"{st.get('format') if isinstance(st, dict) else type(st).__name__!r}).")
+        first = self.states[0]
+        self.zero_stage = first["zero_stage"]
+        self.dp_world_size = first["dp_world_size"]
+        self.dtype = first.get("dtype", "fp32")
+        self.param_groups = first["param_groups"]
+        self.group_state = first["group_state"]
+        self.optimizer_class = first.get("optimizer_class")
+        self.loss_scaler = first.get("loss_scaler")
+        expected = 1 if self.zero_stage == 0 else self.dp_world_size
+        if len(self.states) != expected:
+            raise CheckpointError(
+                f"Checkpoint '{directory}' was saved by {self.dp_world_size} data-parallel ranks at ZeRO "
+                f"stage {self.zero_stage} and should hold {expected} optimizer files for mp rank "
+                f"{mp_rank:02d}, but {len(self.states)} were found; the checkpoint is incomplete.")
+        self._frags: Dict[str, list] = {}
+        self._shapes: Dict[str, list] = {}
+        for st in self.states:
+            for name, entry in st["params"].items():
+                self._shapes[name] = entry["shape"]
+                self._frags.setdefault(name, []).extend(entry["fragments"])
+        for name, frags in self._frags.items():
+            frags.sort(key=lambda f: f["offset"])
+            numel = self.numel(name)
+            pos = 0
+            for f in frags:
+                if f["offset"] != pos:
+                    break
+                pos += f["numel"]
+            if pos != numel:
+                raise CheckpointError(
+                    f"Checkpoint '{directory}': the fragments of parameter '{name}' cover {pos} of its "
+                    f"{numel} elements contiguously; some rank file is missing or corrupt.")
+
+    # -- queries -----------------------------------------------------------------------
+    @property
+    def names(self) -> List[str]:
+        return list(self._frags)
+
+    def shape(self, name: str) -> torch.Size:
+        return torch.Size(self._shapes[name])
+
+    def numel(self, name: str) -> int:
+        n = 1
+        for s in self._shapes[name]:
+            n *= int(s)
+        return n
+
+    def state_keys(self, name: str) -> List[str]:
+        return list(self._frags[name][0]["state"].keys())
+
+    def has(self, name: str) -> bool:
+        return name in self._frags
+
+    def require(self, names: Iterable[str]) -> None:
+        missing = [n for n in names if n not in self._frags]
+        if missing:
+            raise CheckpointError(
+                f"Checkpoint '{self.directory}' has no optimizer state for trainable parameters "
+                f"{missing[:8]}{' ...' if len(missing) > 8 else ''} (it holds {len(self._frags)} parameters). "
+                f"Was it saved from a different model? Pass load_optimizer_states=False to load the "
+                f"module weights only.")
+
+    # -- data ----------------------------------------------------------------------------
+    def read(self, name: str, key: str = "fp32", start: int = 0, numel: Optional[int] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of the flattened ``key`` of ``name``."""
+        if name not in self._frags:
+            self.require([name])
+        total = self.numel(name)
+        numel = total - start if numel is None else numel
+        end = start + numel
+        if start < 0 or end > total:
+            raise CheckpointError(f"Range [{start}, {end}) is outside parameter '{name}' ({total} elements).")
+        if out is None:
+            sample = self._tensor(name, self._frags[name][0], key)
+            out = torch.empty(numel, dtype=sample.dtype)
+        for f in self._frags[name]:
+            lo, hi = max(start, f["offset"]), min(end, f["offset"] + f["numel"])
+            if lo >= hi:
+                continue
+            src = self._tensor(name, f, key)
+            out[lo - start:hi - start].copy_(src[lo - f["offset"]:hi - f["offset"]])
+        return out
+
+    def full(self, name: str, key: str = "fp32") -> torch.Tensor:
+        """The whole ``key`` tensor of ``name`` in its original shape."""
+        return self.read(name, key).view(self.shape(name))
+
+    def _tensor(self, name, frag, key):
+        if key == "fp32":
+            return frag["fp32"]
+        if key not in frag["state"]:
+            raise CheckpointError(
+                f"Checkpoint '{self.directory}' has no optimizer state '{key}' for '{name}' "
+                f"(it has {sorted(frag['state'])}); was it saved with a different optimizer?")
+        return frag["state"][key]
+
+    # -- optimizer hyperparameters --------------------------------------------------------
+    def group_of(self) -> Dict[str, int]:
+        """Parameter name -> index of its saved param group."""
+        return {n: i for i, g in enumerate(self.param_groups) for n in g["params"]}
+
+
+def apply_group_hyperparameters(saved_groups: List[dict], param_groups: List[dict], where: str) -> None:
+    """Copy the saved hyperparameters (lr, betas, ...) into live ``param_groups``."""
+    if len(saved_groups) != len(param_groups):
+        raise CheckpointError(
+            f"{where}: the checkpoint has {len(saved_groups)} optimizer parameter groups but this "
+            f"optimizer has {len(param_groups)}. Build the optimizer with the same parameter groups, "
+            f"or pass load_optimizer_states=False.")
+    for saved, live in zip(saved_groups, param_groups):
+        for k, v in saved.items():
+            if k != "params":
+                live[k] = v
