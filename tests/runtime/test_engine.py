@@ -271,13 +271,13 @@ def test_repeating_loader():
     assert [next(loader) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
 
 
-def test_wall_clock_breakdown_logs(capsys):
+def test_wall_clock_breakdown_logs(caplog):
     eng, *_ = deepspeed.initialize(model=make_model(), config={
         "train_batch_size": 2, "steps_per_print": 1, "wall_clock_breakdown": True,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     x, y = torch.randn(2, 8), torch.randn(2, 4)
     eng.backward(eng(x, y))
     eng.step()
-    out = capsys.readouterr().out
+    out = caplog.text
     assert "step=1" in out and "loss=" in out and "samples/s=" in out
     assert "forward" in out and "backward" in out
