@@ -1,0 +1,246 @@
+"""Module hooks that gather partitioned parameters just before they are used and release
+them after (ZeRO stage 3's parameter schedule).
+
+* forward: a pre-forward hook gathers the module's own partitioned parameters (plus
+  external ones registered on it); a post-forward hook releases them unless the
+  recorded trace says they are reused within ``stage3_max_reuse_distance`` elements
+  (and ``stage3_max_live_parameters`` allows keeping them).
+* backward: the post-forward hook puts a gradient hook on the module's outputs; when
+  backward reaches them the parameters are gathered again. Trainable parameters are
+  released as soon as their gradient has been accumulated (the strategy's grad hook
+  calls :meth:`ParameterCoordinator.release_after_backward`); frozen ones when the
+  gradient of the module's inputs is ready; whatever is left at the end of backward.
+* prefetch: every gather is recorded. The next step follows the previous step's
+  trace: while it matches, each gather also starts the asynchronous gathers of the
+  next modules' parameters, up to ``stage3_prefetch_bucket_size`` elements. When the
+  order differs (a data-dependent branch) prediction stops for the rest of the step
+  and the new order is recorded; correctness never depends on the trace.
+
+Forward run again inside backward (activation checkpointing) re-gathers through the
+same pre-forward hook and does not release (backward does).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import torch
+
+from .partitioned_param import (ZeroParamStatus, gather_params, module_params_to_fetch, release_param,
+                                wait_available)
+
+FWD, BWD = 0, 1
+_WINDOW = 64            # trace events looked ahead for prefetching
+_MAX_TRACE = 100_000    # events; longer recordings (no engine step boundary) are dropped
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _iter_tensors(obj, depth=0):
+    if depth > 6:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _iter_tensors(v, depth + 1)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _iter_tensors(v, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _iter_tensors(getattr(obj, f.name, None), depth + 1)
+
+
+class ParameterCoordinator:
+    """Installs the hooks on every submodule of ``module`` and owns the gather schedule."""
+
+    def __init__(self, module: torch.nn.Module, prefetch_bucket_size: int, max_live_parameters: int,
+                 max_reuse_distance: int):
+        self.module = module
+        self.prefetch_bucket_size = int(prefetch_bucket_size)
+        self.max_live = int(max_live_parameters)
+        self.max_reuse = int(max_reuse_distance)
+        self.live = {}            # id(p) -> p gathered (or in flight) by this coordinator
+        self.trace = []           # [(module, phase, params)] recorded in the previous step
+        self.recording = []
+        self.cursor = 0
+        self.predicting = False
+        self.positions = {}       # id(p) -> trace positions using p
+        self.prefix = [0]         # prefix[i]: elements gathered by trace events before i
+        self._fwd_pos = {}
+        self.prefetch_handles = []
+        self.gathers = 0          # synchronous gathers issued (tests/benchmarks read these)
+        self.prefetches = 0
+        self.hooks = []
+        for m in module.modules():
+            self.hooks.append(m.register_forward_pre_hook(self._pre_forward))
+            self.hooks.append(m.register_forward_hook(self._post_forward))
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    # -- step boundaries -------------------------------------------------------------------
+    def new_step(self) -> None:
+        """Start of a forward driven by the engine: adopt what was recorded as the trace."""
+        if self.recording:
+            self.trace = self.recording
+            self.positions, self.prefix = {}, [0]
+            for i, (_, _, params) in enumerate(self.trace):
+                for p in params:
+                    self.positions.setdefault(id(p), []).append(i)
+                self.prefix.append(self.prefix[-1] + sum(p.ds_numel for p in params))
+        self.recording = []
+        self.cursor = 0
+        self.predicting = bool(self.trace)
+        self._fwd_pos.clear()
+
+    def end_backward(self) -> None:
+        self.release_all()
+
+    def release_all(self) -> None:
+        for h in self.prefetch_handles:
+            h.wait()
+        self.prefetch_handles = []
+        for p in list(self.live.values()):
+            release_param(p)
+        self.live = {id(p): p for p in self.live.values() if p.ds_status != ZeroParamStatus.NOT_AVAILABLE}
+
+    def live_numel(self) -> int:
+        n = 0
+        for k, p in list(self.live.items()):
+            if p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+                del self.live[k]
+            else:
+                n += p.ds_numel
+        return n
+
+    # -- gathering -------------------------------------------------------------------------
+    def fetch(self, module, phase: int, params) -> None:
+        if len(self.recording) < _MAX_TRACE:
+            self.recording.append((module, phase, tuple(params)))
+        else:
+            self.recording, self.trace, self.predicting = [], [], False
+        pos = None
+        if self.predicting:
+            t = self.trace[self.cursor] if self.cursor < len(self.trace) else None
+            if t is not None and t[0] is module and t[1] == phase:
+                pos = self.cursor
+                self.cursor += 1
+            else:
+                self.predicting = False
+        if phase == FWD:
+            self._fwd_pos[id(module)] = pos
+        wait_available(params)
+        if gather_params(params, what=f"{type(module).__name__} ({'forward' if phase == FWD else 'backward'})"):
+            self.gathers += 1
+        for p in params:
+            self.live[id(p)] = p
+        if self.predicting:
+            self._prefetch()
+
+    def _prefetch(self) -> None:
+        budget = self.prefetch_bucket_size
+        if budget <= 0:
+            return
+        room = self.max_live - self.live_numel()
+        todo, seen, n = [], set(), 0
+        for j in range(self.cursor, min(len(self.trace), self.cursor + _WINDOW)):
+            for p in self.trace[j][2]:
+                if p.ds_status != ZeroParamStatus.NOT_AVAILABLE or id(p) in seen:
+                    continue
+                if n + p.ds_numel > budget or n + p.ds_numel > room:
+                    j = len(self.trace)
+                    break
+                seen.add(id(p))
+                todo.append(p)
+                n += p.ds_numel
+            if j >= len(self.trace) or n >= budget:
+                break
+        if todo:
+            h = gather_params(todo, async_op=True, what="prefetch of upcoming modules")
+            self.prefetch_handles = [x for x in self.prefetch_handles if not x.done] + [h]
+            self.prefetches += 1
+            for p in todo:
+                self.live[id(p)] = p
+
+    def _keep_for_reuse(self, p, pos) -> bool:
+        if pos is None or not self.predicting:
+            return False
+        where = self.positions.get(id(p))
+        if not where:
+            return False
+        k = bisect.bisect_right(where, pos)
+        if k >= len(where):
+            return False
+        distance = self.prefix[where[k]] - self.prefix[pos + 1]
+        return distance <= self.max_reuse and self.live_numel() <= self.max_live
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _pre_forward(self, module, args):
+        params = module_params_to_fetch(module)
+        if not params:
+            return None
+        self.fetch(module, FWD, params)
+        if torch.is_grad_enabled():
+            frozen = [p for p in params if not p.requires_grad]
+            if frozen:
+                self._release_frozen_after_input_grads(frozen, args)
+        return None
+
+    def _post_forward(self, module, args, output):
+        params = module_params_to_fetch(module)
+        if not params:
+            if module is self.module and not torch.is_grad_enabled() and not _in_backward():
+                self.release_all()   # end of an inference forward
+            return None
+        if torch.is_grad_enabled():
+            self._gather_before_backward(module, output)
+        if not _in_backward():  # recomputation inside backward keeps them for the backward that follows
+            pos = self._fwd_pos.pop(id(module), None)
+            returned = {id(t) for t in _iter_tensors(output)}
+            for p in params:
+                if id(p) not in returned and not self._keep_for_reuse(p, pos):
+                    release_param(p)
+            if module is self.module and not torch.is_grad_enabled():
+                self.release_all()
+        return None
+
+    def _gather_before_backward(self, module, output) -> None:
+        outs = [t for t in _iter_tensors(output) if t.requires_grad and t.grad_fn is not None]
+        if not outs:
+            return
+        state = [False]
+
+        def hook(_grad):
+            if not state[0]:
+                state[0] = True
+                self.fetch(module, BWD, module_params_to_fetch(module))
+            return None
+
+        for t in outs:
+            t.register_hook(hook)
+
+    def _release_frozen_after_input_grads(self, frozen, args) -> None:
+        ins = [t for t in _iter_tensors(args) if t.requires_grad and t.grad_fn is not None]
+        if not ins:
+            return
+        left = [len(ins)]
+
+        def hook(_grad):
+            left[0] -= 1
+            if left[0] == 0:
+                for p in frozen:
+                    release_param(p)
+            return None
+
+        for t in ins:
+            t.register_hook(hook)
+
+    def release_after_backward(self, p) -> None:
+        """A trainable parameter's gradient was accumulated: backward is done with it."""
+        release_param(p)

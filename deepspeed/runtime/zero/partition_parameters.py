@@ -1,0 +1,322 @@
+"""``deepspeed.zero.Init``, ``GatheredParameters`` and external-parameter registration.
+
+``Init`` lets a model larger than one rank's memory be built: while the context is
+active, every ``torch.nn.Module`` subclass's ``__init__`` is wrapped so that, as soon
+as the outermost ``__init__`` of an instance returns, that module's new parameters
+are made identical on every rank (broadcast from rank 0, so ranks need not share a
+seed) and partitioned. Peak memory during construction is therefore one module's
+parameters, not the model's. ``Module.apply`` is wrapped too, so weight-init
+functions applied after construction (Hugging Face's ``post_init``) see gathered
+weights and their effect is kept (rank 0's result is broadcast).
+
+``GatheredParameters`` makes partitioned parameters whole inside a ``with`` block;
+with ``modifier_rank`` the changes that rank made are broadcast and re-partitioned
+on exit, otherwise they are discarded.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+
+from .partitioned_param import (PartitionSpec, ZeroParamStatus, broadcast_and_repartition, convert_param,  # noqa: F401
+                                gather_params, is_zero_param, register_external_parameter, release_param,
+                                unregister_external_parameter, wait_available)
+from .stage3_comm import KIND_INIT, ZeroRankMismatchError, comm_for, digest  # noqa: F401
+
+_DTYPE_NAMES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ---------------------------------------------------------------- configuration helpers
+
+def _compute_device():
+    from ...accelerator import get_accelerator
+    acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        return torch.device("cpu")
+    from ... import comm
+    return acc.device(comm.get_local_rank())
+
+
+def _read_config(config_dict_or_path, config):
+    """(zero section, fp16 enabled, bf16 enabled) from a DeepSpeed config, or Nones."""
+    src = config_dict_or_path if config_dict_or_path is not None else config
+    if src is None:
+        return None, False, False
+    from ...config import DeepSpeedConfig
+    if isinstance(src, DeepSpeedConfig):
+        return src.zero, src.fp16_enabled, src.bfloat16_enabled
+    from ...config.base import parse_section
+    from ...config.ds_config import load_config_source
+    from ...config.sections import BF16Section, FP16Section, ZeroSection
+    raw = load_config_source(src)
+    zero = parse_section(ZeroSection, raw.get("zero_optimization") or {}, "zero_optimization")
+    fp16 = parse_section(FP16Section, raw.get("fp16") or {}, "fp16")
+    bf16 = parse_section(BF16Section, raw.get("bf16") or raw.get("bfloat16") or {}, "bf16")
+    return zero, fp16.enabled, bf16.enabled
+
+
+def _ensure_dist():
+    if dist.is_available() and not dist.is_initialized() and all(
+            k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        from ... import comm
+        comm.init_distributed(verbose=False)
+
+
+# ---------------------------------------------------------------- zero.Init
+
+_active = []          # stack of active Init contexts
+_patched = []         # (class, original __init__) pairs
+_orig_apply = None
+_orig_init_subclass = None
+
+
+def _wrap_init(cls):
+    orig = cls.__dict__["__init__"]
+    if getattr(orig, "_z3_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        d = self.__dict__
+        d["_z3_init_depth"] = d.get("_z3_init_depth", 0) + 1
+        try:
+            orig(self, *args, **kwargs)
+        finally:
+            d["_z3_init_depth"] -= 1
+        if d["_z3_init_depth"] == 0:
+            del d["_z3_init_depth"]
+            if _active:
+                _active[-1]._partition_module(self)
+
+    __init__._z3_wrapped = True
+    cls.__init__ = __init__
+    _patched.append((cls, orig))
+
+
+def _all_module_classes():
+    seen, todo = set(), [torch.nn.Module]
+    while todo:
+        c = todo.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        todo.extend(c.__subclasses__())
+    return seen
+
+
+def _init_subclass(cls, **kwargs):
+    if "__init__" in cls.__dict__:
+        _wrap_init(cls)
+
+
+def _apply_gathered(self, fn):
+    """``Module.apply`` under zero.Init: run ``fn`` on each module with its own partitioned
+    parameters gathered; rank 0's result is kept on every rank."""
+    for m in self.children():
+        m.apply(fn)
+    params = [p for p in self._parameters.values() if p is not None and is_zero_param(p)]
+    if params:
+        with GatheredParameters(params, modifier_rank=0):
+            fn(self)
+    else:
+        fn(self)
+    return self
+
+
+def _patch():
+    global _orig_apply, _orig_init_subclass
+    for cls in _all_module_classes():
+        if "__init__" in cls.__dict__:
+            _wrap_init(cls)
+    _orig_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+    torch.nn.Module.__init_subclass__ = classmethod(_init_subclass)
+    _orig_apply = torch.nn.Module.apply
+    torch.nn.Module.apply = _apply_gathered
+
+
+def _unpatch():
+    global _orig_apply, _orig_init_subclass
+    while _patched:
+        cls, orig = _patched.pop()
+        cls.__init__ = orig
+    if _orig_init_subclass is not None:
+        torch.nn.Module.__init_subclass__ = _orig_init_subclass
+        _orig_init_subclass = None
+    elif "__init_subclass__" in torch.nn.Module.__dict__:
+        del torch.nn.Module.__init_subclass__
+    if _orig_apply is not None:
+        torch.nn.Module.apply = _orig_apply
+        _orig_apply = None
+
+
+class Init:
+    """Construct modules already partitioned across the data-parallel group.
+
+    ``remote_device``: where partitions live (``"cpu"`` keeps them in host memory; default:
+    ``zero_optimization.offload_param.device`` from the config, else the accelerator).
+    ``dtype``: cast floating-point parameters (default: fp16/bf16 when the config enables
+    it, else unchanged). ``mem_efficient_linear`` is accepted for compatibility: gathered
+    parameters keep their storage object across release/regather, so ``F.linear`` needs no
+    replacement. Also usable on an existing module: ``zero.Init(module=model)``.
+    """
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
+                 pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
+                 zero_param_parallel_group=None, zero_quantized_weights=False,
+                 zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None,
+                 param_swapper=None):
+        self.enabled = bool(enabled)
+        if not self.enabled:
+            return
+        if zero_quantized_weights or zero_quantized_nontrainable_weights:
+            raise ValueError("zero.Init: zero_quantized_weights / zero_quantized_nontrainable_weights are not "
+                             "supported by this deepspeed; leave them False.")
+        if zero_param_parallel_group is not None or param_swapper is not None:
+            raise ValueError("zero.Init: zero_param_parallel_group (hpZ) and param_swapper (NVMe) are not "
+                             "supported by this deepspeed; leave them None.")
+        if dtype is not None and dtype not in _DTYPE_NAMES:
+            raise ValueError(f"zero.Init: 'dtype' must be one of torch.float16, torch.bfloat16, torch.float32, "
+                             f"got {dtype!r}.")
+        zero, fp16, bf16 = _read_config(config_dict_or_path, config)
+        _ensure_dist()
+        if data_parallel_group is None and mpu is not None:
+            data_parallel_group = mpu.get_data_parallel_group()
+        if data_parallel_group is None and sequence_data_parallel_group is not None:
+            data_parallel_group = sequence_data_parallel_group
+        self.dtype = dtype if dtype is not None else (torch.float16 if fp16 else torch.bfloat16 if bf16 else None)
+        off_dev = zero.offload_param_device if zero is not None else "none"
+        if remote_device in (None, "none"):
+            remote_device = "cpu" if off_dev == "cpu" else None
+        if str(remote_device) == "nvme" or off_dev == "nvme":
+            raise ValueError("zero.Init: remote_device 'nvme' (ZeRO-Infinity) is not supported; use 'cpu' or None.")
+        if zero is not None and zero.offload_param is not None and zero.offload_param.pin_memory:
+            pin_memory = True
+        self.device = _compute_device()
+        part_dev = torch.device("cpu") if str(remote_device) == "cpu" else self.device
+        self.spec = PartitionSpec(comm_for(data_parallel_group), self.device, part_dev, pin_memory)
+        self._device_ctx = None
+        if module is not None:
+            if not isinstance(module, torch.nn.Module):
+                raise TypeError(f"zero.Init: 'module' must be a torch.nn.Module, got {type(module).__name__}.")
+            self._partition_module(module)
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        if not _active:
+            _patch()
+        _active.append(self)
+        if self.device.type != "cpu":
+            self._device_ctx = torch.device(self.device)
+            self._device_ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if not self.enabled:
+            return False
+        if self._device_ctx is not None:
+            self._device_ctx.__exit__(*exc)
+            self._device_ctx = None
+        _active.remove(self)
+        if not _active:
+            _unpatch()
+        return False
+
+    def _partition_module(self, module: torch.nn.Module) -> None:
+        """Make ``module``'s not-yet-partitioned parameters identical on all ranks, then partition them."""
+        new, seen = [], set()
+        for p in module.parameters():
+            if not is_zero_param(p) and id(p) not in seen:
+                seen.add(id(p))
+                new.append(p)
+        for b in module.buffers():
+            if b.device != self.device:
+                b.data = b.data.to(self.device)
+            if self.dtype is not None and b.is_floating_point():
+                b.data = b.data.to(self.dtype)
+        if not new:
+            return
+        for p in new:
+            if self.dtype is not None and p.is_floating_point() and p.dtype != self.dtype:
+                p.data = p.data.to(self.dtype)
+            if p.device != self.device:
+                p.data = p.data.to(self.device)
+        comm = self.spec.comm
+        comm.check(KIND_INIT, [p.numel() for p in new], sum(p.numel() for p in new),
+                   f"{type(module).__name__} ({len(new)} new parameters)")
+        for p in new:
+            comm.broadcast(p.data, 0)  # ranks need not share a seed: rank 0's init wins
+            convert_param(p, self.spec)
+
+
+# ---------------------------------------------------------------- GatheredParameters
+
+class GatheredParameters:
+    """Gather partitioned parameters for the duration of a ``with`` block (collective: call it
+    on every rank of the group).
+
+    ``modifier_rank`` (a global rank): changes that rank makes inside the block are broadcast
+    to every rank and re-partitioned on exit; with None, changes are discarded. ``fwd_module``:
+    also register the parameters as external parameters of that module. Parameters that are
+    not partitioned are left alone.
+    """
+
+    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif params is None:
+            params = []
+        else:
+            params = list(params)
+        self.params, seen = [], set()
+        for p in params:
+            if is_zero_param(p) and id(p) not in seen:
+                seen.add(id(p))
+                self.params.append(p)
+        self.enabled = bool(enabled) and bool(self.params)
+        if modifier_rank is not None and not isinstance(modifier_rank, int):
+            raise TypeError(f"GatheredParameters: 'modifier_rank' must be an int rank or None, got {modifier_rank!r}.")
+        self.modifier_rank = modifier_rank
+        self.fwd_module = fwd_module
+        self._was_available = ()
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        wait_available(self.params)
+        self._was_available = [p.ds_status == ZeroParamStatus.AVAILABLE for p in self.params]
+        for p in self.params:
+            p._z3_holds += 1
+        try:
+            gather_params(self.params, what=f"GatheredParameters({self.params[0]._z3.comm.describe(self.params)})")
+        except BaseException:
+            for p in self.params:
+                p._z3_holds -= 1
+            raise
+        if self.fwd_module is not None:
+            for p in self.params:
+                register_external_parameter(self.fwd_module, p)
+        return None
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.enabled:
+            return False
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                comm = self.params[0]._z3.comm
+                src = self.modifier_rank
+                if comm.active and comm.group is not None:
+                    src = dist.get_group_rank(comm.group, self.modifier_rank)
+                    if src < 0:
+                        raise ValueError(f"GatheredParameters: modifier_rank {self.modifier_rank} is not in the "
+                                         f"parameters' data-parallel group.")
+                broadcast_and_repartition(self.params, src)
+        finally:
+            for p, was in zip(self.params, self._was_available):
+                p._z3_holds -= 1
+                if not was and p._z3_holds == 0:
+                    release_param(p)
+        return False

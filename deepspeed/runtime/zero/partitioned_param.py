@@ -1,0 +1,288 @@
+"""Partitioned parameters: the per-parameter state and operations of ZeRO stage 3.
+
+A partitioned parameter stays the same ``torch.nn.Parameter`` object the model
+registered (optimizers, hooks and user code keep working), but outside the
+forward/backward of its module its ``.data`` is an empty placeholder and the
+rank's 1/N slice lives in ``param.ds_tensor`` (a flat tensor of
+``ceil(numel / N)`` elements, zero-padded on the last rank).
+
+Gathering allocates (or regrows) one full-size buffer per parameter and
+all-gathers the slices straight into it; releasing shrinks that buffer's storage
+to zero bytes. The buffer's storage object is kept for the parameter's lifetime,
+so views autograd saved during forward (``weight.t()`` inside ``F.linear``) see
+the data again when backward regathers the parameter - no special linear layer
+is needed, and activation checkpointing that recomputes forward inside backward
+works unchanged.
+
+Attributes DeepSpeed's ecosystem reads: ``ds_id``, ``ds_shape``, ``ds_numel``,
+``ds_tensor`` (with ``ds_tensor.ds_numel``), ``ds_status``, ``ds_persist``,
+``ds_process_group``.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from .stage3_comm import KIND_BROADCAST, KIND_GATHER, CheckedComm
+
+
+class ZeroParamStatus(enum.Enum):
+    AVAILABLE = 1       # full data in param.data
+    NOT_AVAILABLE = 2   # only the partition (param.ds_tensor) exists
+    INFLIGHT = 3        # an all-gather into the full buffer is in progress
+
+
+_next_id = itertools.count()
+_placeholders: dict = {}
+
+
+class PartitionSpec:
+    """How a group of parameters is partitioned: the communicator, the device the full
+    parameter is gathered on, the device the partitions live on (host memory with
+    ``offload_param``), and listeners told when a partition was rewritten."""
+
+    def __init__(self, comm: CheckedComm, device, partition_device=None, pin_memory: bool = False):
+        self.comm = comm
+        self.device = torch.device(device)
+        self.partition_device = torch.device(partition_device) if partition_device is not None else self.device
+        self.pin_memory = bool(pin_memory) and self.partition_device.type == "cpu" and self.device.type != "cpu"
+        self.listeners = []   # callables(param) after GatheredParameters re-partitions a modified param
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def is_zero_param(p) -> bool:
+    return hasattr(p, "ds_id") and hasattr(p, "_z3")
+
+
+def partition_size(numel: int, world_size: int) -> int:
+    return -(-numel // world_size) if numel else 0
+
+
+def _placeholder(dtype, device) -> torch.Tensor:
+    key = (dtype, device)
+    t = _placeholders.get(key)
+    if t is None:
+        t = _placeholders[key] = torch.empty(0, dtype=dtype, device=device)
+    return t
+
+
+def _alloc_partition(n: int, dtype, spec: PartitionSpec) -> torch.Tensor:
+    t = torch.zeros(n, dtype=dtype, device=spec.partition_device)
+    return t.pin_memory() if spec.pin_memory else t
+
+
+def convert_param(p: torch.nn.Parameter, spec: PartitionSpec, persist: bool = False, ds_id=None) -> None:
+    """Turn ``p`` (holding its full value, identical on every rank) into a partitioned parameter."""
+    full = p.data
+    n, ws = full.numel(), spec.world_size
+    s = partition_size(n, ws)
+    p.ds_id = next(_next_id) if ds_id is None else ds_id
+    p.ds_shape = full.shape
+    p.ds_numel = n
+    p.ds_process_group = spec.comm.group
+    p._z3 = spec
+    p._z3_full = None
+    p._z3_handle = None
+    p._z3_holds = 0
+    part = _alloc_partition(s, full.dtype, spec)
+    lo, hi = spec.rank * s, min(n, (spec.rank + 1) * s)
+    if hi > lo:
+        part[:hi - lo].copy_(full.reshape(-1)[lo:hi])
+    part.ds_numel = s
+    p.ds_tensor = part
+    p.ds_persist = bool(persist) or n == 0
+    if p.ds_persist:
+        p.ds_status = ZeroParamStatus.AVAILABLE
+        if full.device != spec.device:
+            p.data = full.to(spec.device)
+    else:
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        p.data = _placeholder(full.dtype, spec.device)
+
+
+def owned_range(p):
+    """(lo, hi) element range of the full flattened parameter owned by this rank."""
+    s = p.ds_tensor.numel()
+    lo = p._z3.rank * s
+    return lo, max(lo, min(p.ds_numel, lo + s))
+
+
+def set_partition_from_full(p, full: torch.Tensor) -> None:
+    """Write this rank's slice of ``full`` (the whole parameter) into ``p.ds_tensor``."""
+    lo, hi = owned_range(p)
+    flat = full.reshape(-1)
+    if hi > lo:
+        p.ds_tensor[:hi - lo].copy_(flat[lo:hi])
+    p.ds_tensor[hi - lo:].zero_()
+
+
+def _full_buffer(p) -> torch.Tensor:
+    spec = p._z3
+    need = p.ds_tensor.numel() * spec.world_size
+    if p._z3_full is None:
+        p._z3_full = torch.empty(need, dtype=p.ds_tensor.dtype, device=spec.device)
+    else:
+        st = p._z3_full.untyped_storage()
+        nbytes = need * p._z3_full.element_size()
+        if st.nbytes() < nbytes:
+            st.resize_(nbytes)
+    return p._z3_full
+
+
+class GatherHandle:
+    """An all-gather of several parameters; :meth:`wait` makes them AVAILABLE."""
+
+    def __init__(self, params, works, keep):
+        self.params = params
+        self.works = works
+        self.keep = keep       # device copies of host partitions, alive until the gather ends
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for w in self.works:
+            if w is not None:
+                w.wait()
+        for p in self.params:
+            p.data = p._z3_full[:p.ds_numel].view(p.ds_shape)
+            p.ds_status = ZeroParamStatus.AVAILABLE
+            p._z3_handle = None
+        self.done = True
+        self.keep = None
+
+
+def gather_params(params, async_op: bool = False, what: str = ""):
+    """Start (and unless ``async_op``, finish) gathering every NOT_AVAILABLE param in ``params``.
+
+    Collective: every rank of the parameters' group must call it with the same params.
+    Returns the handle (None when nothing needed gathering)."""
+    todo, seen = [], set()
+    for p in params:
+        if p.ds_status == ZeroParamStatus.NOT_AVAILABLE and id(p) not in seen:
+            seen.add(id(p))
+            todo.append(p)
+    if not todo:
+        return None
+    comm = todo[0]._z3.comm
+    if any(p._z3.comm is not comm for p in todo):  # one collective group per call
+        handles = [gather_params([p for p in todo if p._z3.comm is c], async_op, what)
+                   for c in {id(p._z3.comm): p._z3.comm for p in todo}.values()]
+        return _MultiHandle(handles)
+    comm.check(KIND_GATHER, [p.ds_id for p in todo], sum(p.ds_tensor.numel() for p in todo) * comm.world_size,
+               what or comm.describe(todo))
+    works, keep = [], []
+    for p in todo:
+        full = _full_buffer(p)
+        src = p.ds_tensor
+        if src.device != p._z3.device:
+            src = src.to(p._z3.device, non_blocking=True)
+            keep.append(src)
+        works.append(comm.all_gather_into(full, src, async_op=async_op))
+        p.ds_status = ZeroParamStatus.INFLIGHT
+    handle = GatherHandle(todo, works, keep)
+    for p in todo:
+        p._z3_handle = handle
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+class _MultiHandle:
+    def __init__(self, handles):
+        self.handles = [h for h in handles if h is not None]
+
+    def wait(self):
+        for h in self.handles:
+            h.wait()
+
+
+def wait_available(params) -> None:
+    for p in params:
+        if p.ds_status == ZeroParamStatus.INFLIGHT:
+            p._z3_handle.wait()
+
+
+def release_param(p, force: bool = False) -> bool:
+    """Drop the full copy of ``p`` (kept if persistent or held by GatheredParameters)."""
+    if p.ds_persist or p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+        return False
+    if p._z3_holds > 0 and not force:
+        return False
+    if p.ds_status == ZeroParamStatus.INFLIGHT:
+        p._z3_handle.wait()
+    p.data = _placeholder(p.ds_tensor.dtype, p._z3.device)
+    p._z3_full.untyped_storage().resize_(0)
+    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    return True
+
+
+def broadcast_and_repartition(params, src_rank: int) -> None:
+    """After ``src_rank`` changed the (gathered) ``params``, give every rank its value and
+    rewrite each rank's partition from it. Collective."""
+    params = [p for p in params if is_zero_param(p)]
+    if not params:
+        return
+    comm = params[0]._z3.comm
+    comm.check(KIND_BROADCAST, [p.ds_id for p in params], sum(p.ds_numel for p in params),
+               comm.describe(params))
+    for p in params:
+        data = p.data
+        if tuple(data.shape) != tuple(p.ds_shape):
+            raise RuntimeError(f"GatheredParameters: parameter {comm.describe([p])} changed shape from "
+                               f"{tuple(p.ds_shape)} to {tuple(data.shape)} inside the block; "
+                               f"a partitioned parameter's shape cannot change.")
+        buf = data if data.is_contiguous() and data.device == p._z3.device else data.to(p._z3.device).contiguous()
+        comm.broadcast(buf, src_rank)
+        if buf is not data:
+            data.copy_(buf)
+        set_partition_from_full(p, buf)
+        for fn in p._z3.listeners:
+            fn(p)
+
+
+# ---------------------------------------------------------------- module-level helpers
+
+def module_params_to_fetch(module) -> list:
+    """The partitioned, non-persistent params a module's forward needs: its own and the
+    external ones registered on it."""
+    out = [p for p in module._parameters.values() if p is not None and is_zero_param(p) and not p.ds_persist]
+    ext = module.__dict__.get("_z3_external_params")
+    if ext:
+        out.extend(p for p in ext.values() if not p.ds_persist and all(p is not q for q in out))
+    return out
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Tell ZeRO-3 that ``module``'s forward uses ``parameter``, which belongs to another module,
+    so it is gathered before ``module`` runs (and before its backward)."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"register_external_parameter: 'module' must be a torch.nn.Module, "
+                        f"got {type(module).__name__}.")
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise TypeError(f"register_external_parameter: 'parameter' must be a torch.nn.Parameter, "
+                        f"got {type(parameter).__name__}.")
+    if not is_zero_param(parameter):
+        return  # not partitioned: always available, nothing to do
+    ext = module.__dict__.setdefault("_z3_external_params", {})
+    ext[parameter.ds_id] = parameter
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    ext = module.__dict__.get("_z3_external_params")
+    if not ext or getattr(parameter, "ds_id", None) not in ext:
+        raise ValueError("unregister_external_parameter: the parameter was not registered as external "
+                         f"on {type(module).__name__}.")
+    del ext[parameter.ds_id]

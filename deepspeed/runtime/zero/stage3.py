@@ -1,0 +1,355 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all partitioned across the
+data-parallel group (the stage-3 strategy of DESIGN.md).
+
+The parts, each in its own file:
+
+* ``partitioned_param``: a parameter's partition, gather and release;
+* ``parameter_offload.ParameterCoordinator``: module hooks - when to gather, prefetch
+  and release;
+* ``stage3_grads.GradReducer``: bucketed, overlapped reduce-scatter of gradients;
+* ``stage3_master.MasterPartitions``: partitions, fp32 master weights, gradient
+  partitions, the optimizer step;
+* ``stage3_comm``: collectives that raise a clear error when ranks diverge;
+* ``stage3_state_dict`` / ``stage3_checkpoint``: full state dicts and checkpoints.
+
+This class wires them together behind the :class:`TrainingStrategy` interface.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ...utils.logging import logger
+from ..precision.loss_scaler import create_loss_scaler
+from ..strategy import StepOutcome, StrategyContext, TrainingStrategy
+from ..utils import clip_coef, is_model_parallel_parameter
+from .estimators import (estimate_zero3_model_states_mem_needs, estimate_zero3_model_states_mem_needs_all_cold,  # noqa: F401
+                         estimate_zero3_model_states_mem_needs_all_live)
+from .parameter_offload import ParameterCoordinator
+from .partitioned_param import (PartitionSpec, ZeroParamStatus, convert_param, gather_params, is_zero_param,
+                                release_param)
+from .stage3_comm import KIND_GATHER, KIND_STEP, comm_for
+from .stage3_grads import GradReducer
+from .stage3_master import MasterPartitions
+from .stage3_state_dict import gather_module_state_dict, load_full_state_dict
+
+_DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _comm_dtype(name):
+    if name is None:
+        return None
+    from .stage0 import comm_dtype
+    return comm_dtype(name)
+
+
+class DeepSpeedZeroOptimizer_Stage3(TrainingStrategy):  # noqa: N801 - DeepSpeed's name
+    """ZeRO stage 3 for fp32, fp16 and bf16 training (see the module docstring)."""
+
+    stage = 3
+
+    def __init__(self, module: torch.nn.Module, ctx: StrategyContext):
+        super().__init__(module, ctx)
+        cfg = ctx.config
+        z = cfg.zero
+        self.fp16, self.bf16 = cfg.fp16_enabled, cfg.bfloat16_enabled
+        self.dtype = torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+        self.clip = cfg.gradient_clipping
+        self.comm = comm_for(ctx.dp_group)
+        off_param = z.offload_param_device == "cpu"
+        off_opt = z.offload_optimizer_device == "cpu"
+        self.spec = PartitionSpec(self.comm, ctx.device, torch.device("cpu") if off_param else ctx.device,
+                                  pin_memory=bool(off_param and z.offload_param.pin_memory))
+        self.persistent = []
+        self._partition_module(z)
+        grad_dtype = _DT.get(cfg.model.data_types.grad_accum_dtype or "", self.dtype)
+        self.groups = self._param_groups()
+        self.parts = MasterPartitions(
+            self.groups, dtype=self.dtype, grad_dtype=grad_dtype,
+            opt_device=torch.device("cpu") if off_opt else ctx.device, share_master=(off_param == off_opt),
+            sub_group_size=z.sub_group_size, pin_memory=bool(off_opt and z.offload_optimizer.pin_memory))
+        self.optimizer = self._build_optimizer()
+        self.spec.listeners.append(self._on_param_modified)
+        self.scaler = create_loss_scaler(cfg.fp16, self.fp16)
+        self.reducer = GradReducer(self.comm, z.reduce_bucket_size, self.parts.accumulate,
+                                   overlap=z.overlap_comm is not False,
+                                   comm_dtype=_comm_dtype(cfg.model.communication_data_type),
+                                   predivide=cfg.model.gradient_predivide_factor)
+        self.coordinator = ParameterCoordinator(module, z.prefetch_bucket_size, z.max_live_parameters,
+                                                z.max_reuse_distance)
+        seen = set()
+        self._grad_hooks = []
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.gather_16bit_on_save = bool(z.gather_16bit_weights_on_model_save)
+        self.last_grad_norm = None
+
+    # -- construction ------------------------------------------------------------------------
+    def _partition_module(self, z) -> None:
+        """Partition the module's parameters (adopting those built under zero.Init), cast them
+        to the training dtype, and keep small ones whole (``stage3_param_persistence_threshold``)."""
+        budget = z.model_persistence_threshold
+        to_persist, seen = [], set()
+        for name, p in self.module.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            cast = p.is_floating_point() and self._dtype_of(p) != self.dtype
+            persist = p.numel() < z.param_persistence_threshold if not is_zero_param(p) \
+                else p.ds_numel < z.param_persistence_threshold
+            numel = p.ds_numel if is_zero_param(p) else p.numel()
+            if persist and budget >= numel:
+                budget -= numel
+            else:
+                persist = False
+            if is_zero_param(p):
+                self._adopt(p, cast)
+                if persist and not p.ds_persist:
+                    to_persist.append(p)
+            else:
+                if cast:
+                    p.data = p.data.to(self.dtype)
+                convert_param(p, self.spec, persist=persist)
+            self.comm.names[p.ds_id] = name
+            if p.ds_persist or persist:
+                self.persistent.append(p)
+        for b in self.module.buffers():
+            if b.is_floating_point() and b.dtype != self.dtype:
+                b.data = b.data.to(self.dtype)
+        if to_persist:  # zero.Init partitioned them; keep them whole from now on
+            gather_params(to_persist, what="small parameters kept whole (stage3_param_persistence_threshold)")
+            for p in to_persist:
+                p.ds_persist = True
+
+    @staticmethod
+    def _dtype_of(p):
+        return p.ds_tensor.dtype if is_zero_param(p) else p.dtype
+
+    def _adopt(self, p, cast: bool) -> None:
+        if p._z3.world_size != self.spec.world_size:
+            raise RuntimeError(
+                f"ZeRO stage 3: parameter {self.comm.names.get(p.ds_id, p.ds_id)} was partitioned by zero.Init over "
+                f"{p._z3.world_size} ranks but the engine's data-parallel group has {self.spec.world_size}; pass the "
+                f"same data_parallel_group (or mpu) to zero.Init and deepspeed.initialize.")
+        if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and not p.ds_persist:
+            release_param(p, force=True)
+        part = p.ds_tensor
+        if cast or part.device != self.spec.partition_device:
+            part = part.to(device=self.spec.partition_device, dtype=self.dtype if cast else part.dtype)
+            part.ds_numel = part.numel()
+            p.ds_tensor = part
+            p._z3_full = None
+        if p.ds_persist and cast:
+            p.data = p.data.to(self.dtype)
+        elif not p.ds_persist:
+            p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.spec.device)
+        p._z3 = self.spec
+
+    def _param_groups(self):
+        client = self.ctx.client_optimizer
+        src = [dict(g) for g in client.param_groups] if client is not None else self.ctx.param_groups
+        module_ids = {id(p) for p in self.module.parameters()}
+        seen, groups = set(), []
+        for gi, g in enumerate(src):
+            params = []
+            for p in g["params"]:
+                if id(p) not in module_ids:
+                    raise ValueError(f"ZeRO stage 3: optimizer parameter group {gi} holds a tensor that is not a "
+                                     f"parameter of the model passed to deepspeed.initialize.")
+                if id(p) in seen:
+                    raise ValueError(f"ZeRO stage 3: a parameter appears in more than one optimizer parameter "
+                                     f"group (group {gi}).")
+                seen.add(id(p))
+                if p.requires_grad:
+                    params.append(p)
+            groups.append(dict(g, params=params))
+        return groups
+
+    def _build_optimizer(self):
+        groups = self.parts.optimizer_groups()
+        client = self.ctx.client_optimizer
+        if client is not None:
+            # Keep the user's optimizer object (they may hold a reference) but point it at the
+            # fp32 partitions; its state is per tensor, so it starts empty.
+            for cg, g in zip(client.param_groups, groups):
+                cg["params"] = g["params"]
+            client.state.clear()
+            return client
+        if self.ctx.optimizer_factory is not None:
+            return self.ctx.optimizer_factory(groups)
+        return None
+
+    # -- forward / backward ----------------------------------------------------------------
+    def pre_forward(self) -> None:
+        self.coordinator.new_step()
+
+    def _on_grad(self, p) -> None:
+        g = p.grad
+        p.grad = None
+        if g is not None and self.parts.owns(p):
+            self.reducer.add(p, g)
+        self.coordinator.release_after_backward(p)
+
+    def backward(self, loss, *, sync, retain_graph=False):
+        if not self._sync_enabled:
+            raise RuntimeError(
+                "engine.no_sync() cannot be used with ZeRO stage 3: gradients are partitioned, so each "
+                "micro-step's gradients must be reduce-scattered. Use gradient_accumulation_steps instead.")
+        loss.backward(retain_graph=retain_graph)
+        self.reducer.flush()
+        self.coordinator.end_backward()
+
+    # -- precision -------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.loss_scale
+
+    def scale_loss(self, loss):
+        return self.scaler.scale_loss(loss) if self.fp16 else loss
+
+    # -- step ------------------------------------------------------------------------------
+    def _global_sq_norm(self) -> float:
+        mpu = self.ctx.mpu
+        filt = None
+        if mpu is not None and mpu.get_model_parallel_world_size() > 1 and mpu.get_model_parallel_rank() != 0:
+            filt = is_model_parallel_parameter  # replicated params count once, on model-parallel rank 0
+        t = self.parts.local_sq_norm(filt).reshape(1).to(torch.float64)
+        self.comm.check(KIND_STEP, [self.ctx.dp_world_size], 1, "the optimizer step's gradient norm")
+        self.comm.all_reduce(t)
+        if mpu is not None and mpu.get_model_parallel_world_size() > 1:
+            dist.all_reduce(t, group=mpu.get_model_parallel_group())
+        return float(t.item())
+
+    def step(self) -> StepOutcome:
+        self.reducer.flush()
+        self.coordinator.release_all()
+        sq = self._global_sq_norm()
+        total = math.sqrt(sq) if sq >= 0 and math.isfinite(sq) else float("nan") if math.isnan(sq) else float("inf")
+        scale = self.scaler.loss_scale if self.fp16 else 1.0
+        if self.fp16:
+            overflow = not math.isfinite(total)
+            self.scaler.update_scale(overflow)
+            if overflow:
+                self.parts.zero_grads()
+                logger.info(f"ZeRO-3 fp16: gradient overflow; step skipped, loss scale now {self.scaler.loss_scale}")
+                self.last_grad_norm = None
+                return StepOutcome(skipped=True, grad_norm=None)
+        norm = total / scale
+        coef = (1.0 / scale) * clip_coef(norm, self.clip)
+        if self.optimizer is not None:
+            self.parts.step(self.optimizer, coef)
+            self.refresh_persistent()
+        self.parts.zero_grads()
+        self.last_grad_norm = norm
+        return StepOutcome(skipped=False, grad_norm=norm)
+
+    def refresh_persistent(self, params=None) -> None:
+        """All-gather the updated partitions of parameters kept whole (in buckets)."""
+        ps = [p for p in (params if params is not None else self.persistent)
+              if self.parts.owns(p) and p.ds_numel > 0]
+        limit = max(1, self.ctx.config.zero.allgather_bucket_size)
+        ws = self.comm.world_size
+        i = 0
+        while i < len(ps):
+            batch, n = [], 0
+            while i < len(ps) and (not batch or n + ps[i].ds_tensor.numel() * ws <= limit):
+                batch.append(ps[i])
+                n += ps[i].ds_tensor.numel() * ws
+                i += 1
+            self._gather_whole(batch)
+
+    def _gather_whole(self, batch) -> None:
+        sizes = [p.ds_tensor.numel() for p in batch]
+        total, ws = sum(sizes), self.comm.world_size
+        inp = torch.cat([p.ds_tensor.to(self.spec.device) for p in batch])
+        out = torch.empty(ws * total, dtype=inp.dtype, device=inp.device)
+        self.comm.check(KIND_GATHER, [p.ds_id for p in batch], ws * total, "parameters kept whole, after the step")
+        self.comm.all_gather_into(out, inp)
+        rows = out.view(ws, total)
+        off = 0
+        with torch.no_grad():
+            for p, s in zip(batch, sizes):
+                full = rows[:, off:off + s].reshape(-1)[:p.ds_numel]
+                p.data.copy_(full.view(p.ds_shape))
+                off += s
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.parts.zero_grads()
+        for p in self.module.parameters():
+            p.grad = None
+
+    # -- parameters modified outside training (GatheredParameters with modifier_rank) ---------
+    def _on_param_modified(self, p) -> None:
+        if self.parts.owns(p):
+            self.parts.refresh_master_from_partitions([p])
+
+    # -- state -----------------------------------------------------------------------------
+    def module_state_dict(self) -> dict:
+        """Full state dict, gathered module by module. Collective; like DeepSpeed's
+        ``_zero3_consolidated_16bit_state_dict`` only data-parallel rank 0 keeps the tensors
+        (host memory for the whole model on one rank), other ranks return an empty dict."""
+        return gather_module_state_dict(self.module, keep=self.ctx.dp_rank == 0)
+
+    def check_16bit_model_save(self) -> bool:
+        """Whether ``engine.save_16bit_model`` may gather the weights (the config key)."""
+        if not self.gather_16bit_on_save:
+            logger.warning("save_16bit_model: not saving, because zero_optimization."
+                           "stage3_gather_16bit_weights_on_model_save is false (the weights are partitioned). "
+                           "Set it to true, or save a checkpoint and use zero_to_fp32.")
+        return self.gather_16bit_on_save
+
+    def load_module_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        load_full_state_dict(self.module, state_dict, strict)
+        self.after_module_load()
+
+    def after_module_load(self) -> None:
+        self.parts.refresh_master_from_partitions()
+        self.refresh_persistent()
+
+    def save_optimizer_state(self, writer, dp_rank: int, mp_rank: int) -> None:
+        from .stage3_checkpoint import save_stage3_optimizer_state
+        save_stage3_optimizer_state(self, writer, dp_rank, mp_rank)
+
+    def load_optimizer_state(self, reader, load_optimizer_states: bool = True) -> None:
+        from .stage3_checkpoint import load_stage3_optimizer_state
+        load_stage3_optimizer_state(self, reader, load_optimizer_states)
+
+    # -- accounting ------------------------------------------------------------------------
+    def model_state_bytes(self) -> dict:
+        """Bytes this rank holds for the model state (what the estimators predict)."""
+        out = self.parts.bytes()
+        owned = {id(p) for c in self.parts.chunks for p in c.params}
+        seen, other, persistent_full = set(), 0, 0
+        for p in self.module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if id(p) not in owned:
+                other += p.ds_tensor.numel() * p.ds_tensor.element_size()
+            if p.ds_persist:
+                persistent_full += p.numel() * p.element_size()
+        out["frozen_partitions"] = other
+        out["persistent_full_params"] = persistent_full
+        opt = 0
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                for v in st.values():
+                    if torch.is_tensor(v) and v.numel() > 1:
+                        opt += v.numel() * v.element_size()
+        out["optimizer_state"] = opt
+        out["total"] = sum(out.values())
+        return out
+
+    def destroy(self) -> None:
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
+        self.coordinator.remove()
+
+
+def is_zero3_param(p) -> bool:
+    return is_zero_param(p)

@@ -1,0 +1,112 @@
+"""Stage-3 optimizer checkpoints in the shared fragment format
+(:mod:`deepspeed.runtime.checkpoint.universal`).
+
+Each rank writes, per trainable parameter name, the elements of the flattened
+parameter it owns (``[rank * part, min(numel, (rank + 1) * part))``, padding never
+written) with their fp32 master values and Adam moments. Loading reads exactly the
+range the loading rank owns from whichever files hold it, so a stage-3 checkpoint
+loads at any world size and at any stage, and stage 0/1/2 checkpoints load here.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.universal import (FragmentIndex, apply_group_hyperparameters, make_rank_state, optim_file_name,
+                                    split_param_state)
+from .partitioned_param import owned_range
+
+
+def _names(module):
+    out = {}
+    for name, p in module.named_parameters():
+        out.setdefault(id(p), name)
+    return out
+
+
+def save_stage3_optimizer_state(strategy, writer, dp_rank: int, mp_rank: int) -> None:
+    names = _names(strategy.module)
+    opt = strategy.optimizer
+    parts = strategy.parts
+    params, group_scalars = {}, [dict() for _ in parts.group_hparams]
+    for c in parts.chunks:
+        state = opt.state.get(c.master, {}) if opt is not None else {}
+        per_elem, scalars = split_param_state(state, c.master.shape)
+        if scalars and not group_scalars[c.group]:
+            group_scalars[c.group] = scalars
+        for p, off in zip(c.params, c.offsets):
+            lo, hi = owned_range(p)
+            k = hi - lo
+            if k <= 0:
+                continue
+            params[names[id(p)]] = {"shape": list(p.ds_shape), "fragments": [{
+                "offset": lo, "numel": k, "fp32": c.master[off:off + k],
+                "state": {key: v[off:off + k] for key, v in per_elem.items()}}]}
+    groups = []
+    live_groups = opt.param_groups if opt is not None else [dict(h) for h in parts.group_hparams]
+    for gi, g in enumerate(live_groups):
+        hp = {k: v for k, v in g.items() if k != "params"}
+        hp["params"] = [names[id(p)] for c in parts.chunks if c.group == gi for p in c.params]
+        groups.append(hp)
+    rank_state = make_rank_state(
+        zero_stage=3, dp_world_size=strategy.ctx.dp_world_size, dp_rank=dp_rank, mp_rank=mp_rank,
+        dtype=strategy.dtype, params=params, param_groups=groups, group_state=group_scalars,
+        optimizer_class=type(opt).__name__ if opt is not None else None,
+        loss_scaler=strategy.scaler.state_dict() if strategy.fp16 else None,
+        extra={"persistence_threshold": strategy.ctx.config.zero.param_persistence_threshold})
+    writer.save(optim_file_name(dp_rank, mp_rank), rank_state)
+
+
+def load_stage3_optimizer_state(strategy, reader, load_optimizer_states: bool = True) -> None:
+    if not load_optimizer_states:
+        strategy.after_module_load()
+        return
+    mp_rank = strategy.ctx.mpu.get_model_parallel_rank() if strategy.ctx.mpu is not None else 0
+    idx = FragmentIndex(reader.path, mp_rank)
+    names = _names(strategy.module)
+    parts = strategy.parts
+    idx.require([names[id(p)] for c in parts.chunks for p in c.params])
+    from_fp32 = strategy.ctx.config.zero.load_from_fp32_weights
+    opt = strategy.optimizer
+    sd_state, index = {}, 0
+    for c in parts.chunks:
+        keys = None
+        per_elem = {}
+        for p, off, s in zip(c.params, c.offsets, c.sizes):
+            name = names[id(p)]
+            lo, hi = owned_range(p)
+            k = hi - lo
+            if from_fp32 and k > 0:
+                c.master[off:off + k].copy_(idx.read(name, "fp32", lo, k))
+            if keys is None:
+                keys = idx.state_keys(name)
+                per_elem = {key: torch.zeros(c.numel, dtype=torch.float32) for key in keys}
+            if set(idx.state_keys(name)) != set(keys):
+                raise CheckpointError(f"Checkpoint '{reader.path}': parameter '{name}' has optimizer state "
+                                      f"{sorted(idx.state_keys(name))}, its neighbours {sorted(keys)}.")
+            for key in keys:
+                if k > 0:
+                    per_elem[key][off:off + k].copy_(idx.read(name, key, lo, k))
+        if per_elem:
+            st = dict(per_elem)
+            for key, v in idx.group_state[c.group].items():
+                st[key] = v.clone() if torch.is_tensor(v) else torch.tensor(float(v))
+            sd_state[index] = st
+        index += 1
+    if not from_fp32:
+        parts.refresh_master_from_partitions()
+    if opt is not None:
+        saved = idx.param_groups
+        groups = []
+        for gi, g in enumerate(opt.param_groups):
+            n = len(g["params"])
+            groups.append(dict({k: v for k, v in g.items() if k != "params"},
+                               params=list(range(sum(len(x["params"]) for x in opt.param_groups[:gi]),
+                                                 sum(len(x["params"]) for x in opt.param_groups[:gi]) + n))))
+        apply_group_hyperparameters(saved, groups, f"Checkpoint '{reader.path}'")
+        opt.load_state_dict({"state": sd_state, "param_groups": groups})
+    if strategy.fp16 and idx.loss_scaler:
+        strategy.scaler.load_state_dict(idx.loss_scaler)
+    parts.copy_master_to_partitions()
+    strategy.coordinator.release_all()
+    strategy.refresh_persistent()

@@ -1,0 +1,186 @@
+"""This rank's slice of the training state: parameter partitions, fp32 master weights,
+gradient partitions, and the optimizer that updates them.
+
+Trainable parameters are laid out per optimizer parameter group in *chunks* of at
+most ``sub_group_size`` elements (whole partitions only). Each chunk owns three flat
+tensors and every parameter's ``ds_tensor`` becomes a view into the first:
+
+* ``lp``: the partitions in the training dtype, on the partition device (host memory
+  with ``offload_param``);
+* ``master``: fp32 copy the optimizer updates, on the optimizer device (host memory
+  with ``offload_optimizer``). In fp32 training, when parameters and optimizer live on
+  the same side, ``master`` *is* ``lp``: no copy at all, so fp32 stage 3 holds
+  4 (params) + 4 (grads) + 8 (Adam) bytes per parameter divided by N;
+* ``grad``: the accumulated, averaged gradient partition (``data_types.grad_accum_dtype``,
+  default the training dtype, as DeepSpeed documents), on the optimizer device.
+
+The optimizer sees one tensor per chunk. The step runs chunk waves of at most
+``sub_group_size`` elements, so the fp32 gradient copies mixed precision needs
+are bounded by that size.
+"""
+from __future__ import annotations
+
+import torch
+
+_FP32 = torch.float32
+
+
+class Chunk:
+    __slots__ = ("group", "params", "offsets", "sizes", "numel", "lp", "master", "grad")
+
+    def __init__(self, group: int, params):
+        self.group = group
+        self.params = params
+        self.sizes = [p.ds_tensor.numel() for p in params]
+        self.offsets, n = [], 0
+        for s in self.sizes:
+            self.offsets.append(n)
+            n += s
+        self.numel = n
+        self.lp = self.master = self.grad = None
+
+
+def _chunk_params(params, sub_group_size):
+    chunks, cur, n = [], [], 0
+    for p in params:
+        s = p.ds_tensor.numel()
+        if cur and n + s > sub_group_size:
+            chunks.append(cur)
+            cur, n = [], 0
+        cur.append(p)
+        n += s
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+class MasterPartitions:
+    def __init__(self, groups, *, dtype, grad_dtype, opt_device, share_master: bool, sub_group_size: int,
+                 pin_memory: bool = False):
+        self.dtype = dtype
+        self.grad_dtype = grad_dtype
+        self.opt_device = torch.device(opt_device)
+        self.sub_group_size = int(sub_group_size)
+        self.chunks = []
+        self.slot = {}                  # id(param) -> (chunk, offset, size)
+        self.group_hparams = []
+        pin = pin_memory and self.opt_device.type == "cpu" and torch.cuda.is_available()
+        for gi, g in enumerate(groups):
+            self.group_hparams.append({k: v for k, v in g.items() if k != "params"})
+            for plist in _chunk_params([p for p in g["params"] if p.ds_tensor.numel() > 0], self.sub_group_size):
+                c = Chunk(gi, plist)
+                self._build(c, share_master, pin)
+                self.chunks.append(c)
+
+    def _build(self, c: Chunk, share: bool, pin: bool) -> None:
+        dev = c.params[0]._z3.partition_device
+        lp = torch.empty(c.numel, dtype=self.dtype, device=dev)
+        if c.params[0]._z3.pin_memory:
+            lp = lp.pin_memory()
+        for p, off, s in zip(c.params, c.offsets, c.sizes):
+            lp[off:off + s].copy_(p.ds_tensor)
+            view = lp[off:off + s]
+            view.ds_numel = s
+            p.ds_tensor = view
+            self.slot[id(p)] = (c, off, s)
+        c.lp = lp
+        if share and self.dtype == _FP32 and dev == self.opt_device:
+            c.master = lp
+        else:
+            c.master = lp.to(device=self.opt_device, dtype=_FP32, copy=True)
+            if pin:
+                c.master = c.master.pin_memory()
+        c.grad = torch.zeros(c.numel, dtype=self.grad_dtype, device=self.opt_device)
+        if pin:
+            c.grad = c.grad.pin_memory()
+
+    # -- optimizer -------------------------------------------------------------------------
+    def optimizer_groups(self):
+        out = []
+        for gi, hp in enumerate(self.group_hparams):
+            out.append(dict(hp, params=[c.master for c in self.chunks if c.group == gi]))
+        return out
+
+    # -- gradients -------------------------------------------------------------------------
+    def owns(self, p) -> bool:
+        return id(p) in self.slot
+
+    def accumulate(self, p, reduced: torch.Tensor) -> None:
+        c, off, s = self.slot[id(p)]
+        c.grad[off:off + s].add_(reduced.to(device=c.grad.device, dtype=c.grad.dtype, non_blocking=True))
+
+    def zero_grads(self) -> None:
+        for c in self.chunks:
+            c.grad.zero_()
+
+    def grad_view(self, p):
+        c, off, s = self.slot[id(p)]
+        return c.grad[off:off + s]
+
+    def master_view(self, p):
+        c, off, s = self.slot[id(p)]
+        return c.master[off:off + s]
+
+    def local_sq_norm(self, param_filter=None) -> torch.Tensor:
+        """Sum of squares of this rank's gradient partitions (float64 scalar)."""
+        if param_filter is None:
+            grads = [c.grad for c in self.chunks]
+        else:
+            grads = [self.grad_view(p) for c in self.chunks for p in c.params if param_filter(p)]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64)
+        norms = torch._foreach_norm([g.float() if g.dtype != _FP32 else g for g in grads], 2.0)
+        return torch.stack([n.double().cpu() for n in norms]).pow(2).sum()
+
+    # -- update ----------------------------------------------------------------------------
+    def step(self, optimizer, coef: float) -> None:
+        """Run the optimizer over chunk waves of at most sub_group_size elements; ``coef``
+        (loss-scale inverse times clip coefficient) is applied to the gradients first."""
+        wave, n = [], 0
+        for c in self.chunks:
+            if wave and n + c.numel > self.sub_group_size:
+                self._step_wave(optimizer, wave, coef)
+                wave, n = [], 0
+            wave.append(c)
+            n += c.numel
+        if wave:
+            self._step_wave(optimizer, wave, coef)
+
+    def _step_wave(self, optimizer, wave, coef) -> None:
+        for c in wave:
+            g = c.grad
+            if g.dtype != _FP32 or g.device != c.master.device:
+                g = g.to(device=c.master.device, dtype=_FP32)
+            if coef != 1.0:
+                g.mul_(coef)
+            c.master.grad = g
+        optimizer.step()
+        for c in wave:
+            c.master.grad = None
+            if c.lp is not c.master:
+                c.lp.copy_(c.master, non_blocking=True)
+
+    def refresh_master_from_partitions(self, params=None) -> None:
+        """Copy partitions (e.g. just loaded or modified) into the fp32 master."""
+        for c in self.chunks:
+            if c.lp is c.master:
+                continue
+            if params is None:
+                c.master.copy_(c.lp)
+            else:
+                for p in params:
+                    if id(p) in self.slot and self.slot[id(p)][0] is c:
+                        _, off, s = self.slot[id(p)]
+                        c.master[off:off + s].copy_(c.lp[off:off + s])
+
+    def copy_master_to_partitions(self) -> None:
+        for c in self.chunks:
+            if c.lp is not c.master:
+                c.lp.copy_(c.master)
+
+    # -- accounting ------------------------------------------------------------------------
+    def bytes(self) -> dict:
+        lp = sum(c.lp.numel() * c.lp.element_size() for c in self.chunks)
+        master = sum(c.master.numel() * 4 for c in self.chunks if c.master is not c.lp)
+        grads = sum(c.grad.numel() * c.grad.element_size() for c in self.chunks)
+        return {"param_partitions": lp, "master": master, "grads": grads}
