@@ -1,0 +1,4 @@
+"""LAMB under DeepSpeed's documented import path ``deepspeed.ops.lamb``."""
+from .fused_lamb import FusedLamb
+
+__all__ = ["FusedLamb"]
