@@ -1,0 +1,1 @@
+"""Tests for deepspeed.ops optimizers against torch.optim and hand-written references."""
