@@ -142,15 +142,19 @@ class FragmentIndex:
     out of the fragments that hold it; missing elements are an error.
     """
 
-    def __init__(self, directory: str, mp_rank: int = 0):
+    def __init__(self, directory: str, mp_rank: int = 0, states: Optional[List[dict]] = None):
         self.directory = directory
-        paths = list_rank_files(directory, mp_rank)
-        if not paths:
-            raise CheckpointError(
-                f"No ZeRO optimizer files 'zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt' in "
-                f"'{directory}'. Was this checkpoint saved by deepspeed.save_checkpoint? Pass "
-                f"load_optimizer_states=False to load the module weights only.")
-        self.states = [_load(p) for p in paths]
+        if states is None:
+            paths = list_rank_files(directory, mp_rank)
+            if not paths:
+                raise CheckpointError(
+                    f"No ZeRO optimizer files 'zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt' in "
+                    f"'{directory}'. Was this checkpoint saved by deepspeed.save_checkpoint? Pass "
+                    f"load_optimizer_states=False to load the module weights only.")
+            states = [_load(p) for p in paths]
+        else:
+            paths = [f"{directory}[{i}]" for i in range(len(states))]
+        self.states = states
         for p, st in zip(paths, self.states):
             if not isinstance(st, dict) or st.get("format") != FORMAT:
                 raise CheckpointError(
@@ -270,3 +274,67 @@ def apply_group_hyperparameters(saved_groups: List[dict], param_groups: List[dic
         for k, v in saved.items():
             if k != "params":
                 live[k] = v
+
+
+def load_torch_optimizer(optimizer, states: Dict[int, dict], saved_groups: List[dict], where: str) -> None:
+    """Load per-tensor state (``states``: id(tensor) -> {key: value}) and the saved group
+    hyperparameters into a torch-style optimizer through its own ``load_state_dict``,
+    which applies the optimizer's device/dtype rules (e.g. where Adam keeps ``step``)."""
+    sd = optimizer.state_dict()
+    live = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    sd["state"] = {i: states[id(p)] for i, p in zip(ids, live) if id(p) in states}
+    apply_group_hyperparameters(saved_groups, sd["param_groups"], where)
+    optimizer.load_state_dict(sd)
+
+
+def rank_state_from_torch_optimizer(module, optimizer, *, zero_stage: int, dp_world_size: int, mp_rank: int,
+                                    loss_scaler: Optional[dict] = None) -> dict:
+    """The rank state of an unpartitioned optimizer that updates the module's own
+    parameters (stage 0 in fp32): every parameter is one whole fragment."""
+    names = {}
+    for n, p in module.named_parameters():
+        names.setdefault(id(p), n)
+    params, groups, group_state = {}, [], []
+    for gi, g in enumerate(optimizer.param_groups):
+        gnames, scalars = [], {}
+        for p in g["params"]:
+            if id(p) not in names:
+                raise CheckpointError(f"optimizer param group {gi} holds a parameter that is not in the model.")
+            name = names[id(p)]
+            gnames.append(name)
+            per_elem, sc = split_param_state(optimizer.state.get(p, {}), p.shape)
+            scalars = scalars or sc
+            params[name] = {"shape": list(p.shape), "fragments": [
+                {"offset": 0, "numel": p.numel(), "fp32": p.detach(), "state": per_elem}]}
+        groups.append(dict({k: v for k, v in g.items() if k != "params"}, params=gnames))
+        group_state.append(scalars)
+    any_p = next(iter(module.parameters()), None)
+    return make_rank_state(zero_stage=zero_stage, dp_world_size=dp_world_size, dp_rank=0, mp_rank=mp_rank,
+                           dtype=any_p.dtype if any_p is not None else torch.float32, params=params,
+                           param_groups=groups, group_state=group_state,
+                           optimizer_class=type(optimizer).__name__, loss_scaler=loss_scaler,
+                           extra={"frozen_params": [n for n, p in module.named_parameters() if not p.requires_grad]})
+
+
+def load_torch_optimizer_from_index(module, optimizer, idx: FragmentIndex, where: str) -> None:
+    """Restore an unpartitioned optimizer over the module's parameters (stage 0) from a
+    checkpoint of any stage and world size; the module's trainable parameters get the
+    exact fp32 master values."""
+    names = {}
+    for n, p in module.named_parameters():
+        names.setdefault(id(p), n)
+    live = [p for g in optimizer.param_groups for p in g["params"]]
+    idx.require([names[id(p)] for p in live if id(p) in names])
+    group_of = idx.group_of()
+    states = {}
+    for p in live:
+        name = names[id(p)]
+        with torch.no_grad():
+            p.copy_(idx.full(name, "fp32"))
+        st = {k: idx.full(name, k) for k in idx.state_keys(name)}
+        if st:
+            st.update({k: (v.clone() if torch.is_tensor(v) else v)
+                       for k, v in idx.group_state[group_of.get(name, 0)].items()})
+            states[id(p)] = st
+    load_torch_optimizer(optimizer, states, idx.param_groups, where)

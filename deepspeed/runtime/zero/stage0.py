@@ -192,24 +192,21 @@ class DataParallelStrategy(TrainingStrategy):
             super().zero_grad(set_to_none)
 
     # -- checkpoint state ----------------------------------------------------------------
+    # The shared per-parameter fragment format (runtime/checkpoint/universal.py), so a
+    # stage-0 checkpoint loads at ZeRO stages 1-3 and vice versa, at any world size.
     def save_optimizer_state(self, writer, dp_rank, mp_rank):
         if dp_rank == 0 and self.optimizer is not None:
-            writer.save(f"mp_rank_{mp_rank:02d}_optim_states.pt",
-                        {"format": "torch_optimizer", "zero_stage": 0, "optimizer": self.optimizer.state_dict()})
+            from ..checkpoint.universal import optim_file_name, rank_state_from_torch_optimizer
+            writer.save(optim_file_name(0, mp_rank), rank_state_from_torch_optimizer(
+                self.module, self.optimizer, zero_stage=0, dp_world_size=self.ctx.dp_world_size, mp_rank=mp_rank))
 
     def load_optimizer_state(self, reader, load_optimizer_states=True):
         if not load_optimizer_states or self.optimizer is None:
             return
+        from ..checkpoint.universal import FragmentIndex, load_torch_optimizer_from_index
         mp_rank = self.ctx.mpu.get_model_parallel_rank() if self.ctx.mpu else 0
-        name = f"mp_rank_{mp_rank:02d}_optim_states.pt"
-        if not reader.exists(name):
-            from ..checkpoint.errors import CheckpointError
-            raise CheckpointError(
-                f"Checkpoint {reader.path} has no stage-0 optimizer file '{name}' "
-                f"(was it saved with a ZeRO stage this strategy cannot read?). "
-                f"Pass load_optimizer_states=False to load the model weights only.")
-        sd = reader.load(name)
-        self.optimizer.load_state_dict(sd["optimizer"])
+        load_torch_optimizer_from_index(self.module, self.optimizer, FragmentIndex(reader.path, mp_rank),
+                                        f"loading '{reader.path}'")
 
     def destroy(self):
         for h in self._hooks:

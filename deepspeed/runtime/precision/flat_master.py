@@ -1,0 +1,450 @@
+"""Flat fp32 master weights: the engine of mixed precision and of ZeRO stages 1 and 2.
+
+One class serves three strategies, because they differ only in how many ranks share
+a group's master weights (``n_parts``) and in who keeps gradients:
+
+=================  =======  ===============================  =======================
+strategy           n_parts  gradients                        reduction
+=================  =======  ===============================  =======================
+stage 0, 16-bit    1        full flat buffer per group       all-reduce per bucket
+stage 1            N        full flat buffer per group       reduce-scatter per bucket
+stage 2            N        this rank's partition only       reduce-scatter per bucket,
+                                                             every micro-step
+=================  =======  ===============================  =======================
+
+Per parameter group everything is flat (see :mod:`.flat_layout`): the module's
+parameters are views into one 16-bit (or fp32) buffer; the fp32 master weights of the
+rank's partition are one contiguous tensor (in fp32 without offload the master *is*
+the partition of the parameter buffer - no copy is kept); the optimizer is built over
+those master tensors, so Adam is one fused kernel per group. A step is: one
+collective for the overflow flag and the squared gradient norm, one multiply that
+unscales, averages and clips, the optimizer update, one copy master -> 16-bit and an
+in-place all-gather per bucket. The object is both the engine's strategy and the
+``engine.optimizer`` users see (it is a ``torch.optim.Optimizer`` so LR schedulers
+accept it; ``param_groups`` are the inner optimizer's).
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from functools import partial
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from ...config.errors import DeepSpeedConfigError
+from ...utils.logging import logger
+from ..strategy import StepOutcome, StrategyContext, TrainingStrategy
+from ..utils import clip_coef, is_model_parallel_parameter
+from ..zero.stage0 import comm_dtype as _comm_dtype
+from .flat_layout import GroupLayout, order_buckets
+from .flat_state import FlatStateMixin
+from .grad_reduce import FullGradReducer, PartitionGradReducer, _Comm
+from .inner_optimizer import build_inner_optimizer, user_param_groups
+from .loss_scaler import create_loss_scaler, warn_stuck_at_min_scale
+
+_ACCUM = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimizer):
+    """Strategy + optimizer over flat fp32 master weights (see the module docstring)."""
+
+    stage = 0
+    partition_master = False     # stage 1/2: master and optimizer state split across ranks
+    partition_grads = False      # stage 2: gradients split across ranks
+
+    def __init__(self, module: torch.nn.Module, ctx: StrategyContext):
+        TrainingStrategy.__init__(self, module, ctx)
+        self._init_optimizer_hook_dicts()
+        self._configure(ctx)
+        groups = user_param_groups(ctx)
+        self._build_layouts(groups)
+        self._build_parameter_storage()
+        self._build_gradient_storage()
+        self.inner = build_inner_optimizer(ctx, [dict({k: v for k, v in g.items() if k != "params"},
+                                                      params=list(ts)) for g, ts in zip(groups, self.opt_tensors)])
+        self.optimizer = self if self.inner is not None else None
+        self._hooks = [s.param.register_post_accumulate_grad_hook(partial(self._on_grad, s))
+                       for lay in self.layouts for s in lay.slots]
+        for lay in self.layouts:
+            for s in lay.slots:
+                s.param._ds_state_owner = self
+        self.overflow = False
+        self.last_grad_norm = None
+
+    # ------------------------------------------------------------------ construction
+    def _init_optimizer_hook_dicts(self):
+        # What torch.optim.Optimizer.__init__ would create; we don't call it (no own params).
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+
+    def _configure(self, ctx):
+        cfg = ctx.config
+        z = cfg.zero
+        self.dtype = torch.float16 if cfg.fp16_enabled else torch.bfloat16 if cfg.bfloat16_enabled else torch.float32
+        self.mixed = self.dtype != torch.float32
+        accum = cfg.model.data_types.grad_accum_dtype
+        self.grad_dtype = _ACCUM[accum] if accum else self.dtype
+        if self.grad_dtype not in (torch.float32, self.dtype):
+            raise DeepSpeedConfigError(
+                f"data_types.grad_accum_dtype '{accum}' does not fit training in {self.dtype}: use 'fp32' or "
+                f"the training dtype ('{'fp16' if self.dtype == torch.float16 else 'bf16'}').")
+        self.comm_dtype = _comm_dtype(cfg.model.communication_data_type) or self.grad_dtype
+        self.world = ctx.dp_world_size
+        self.rank = ctx.dp_rank
+        self.n_parts = self.world if self.partition_master else 1
+        self.part_rank = self.rank if self.partition_master else 0
+        self.overlap = z.overlap_comm is not False
+        self.offload = z.offload_optimizer_device == "cpu"
+        self.pin_memory = bool(self.offload and z.offload_optimizer.pin_memory)
+        self.master_device = torch.device("cpu") if self.offload else torch.device(ctx.device)
+        self.clip = cfg.gradient_clipping
+        pre = cfg.model.gradient_predivide_factor
+        # divide before the collective; the rest of 1/N is folded into the step's multiply
+        self.predivide = pre if (cfg.model.prescale_gradients or pre != 1.0) and self.world > 1 else 1.0
+        self.ignore_unused = z.ignore_unused_parameters
+        self.reduce_bucket_size = z.reduce_bucket_size
+        self.allgather_bucket_size = z.allgather_bucket_size
+        self.skip_on_overflow = cfg.fp16_enabled or (cfg.bfloat16_enabled and cfg.bf16.check_grad_overflow)
+        self.scaler = create_loss_scaler(cfg.fp16, cfg.fp16_enabled)
+        self.comm = _Comm(ctx.dp_group, self.world, self.rank)
+
+    def _build_layouts(self, groups: List[dict]):
+        names = {}
+        for n, p in self.module.named_parameters():
+            names.setdefault(id(p), n)
+        module_index = {id(p): i for i, p in enumerate(self.module.parameters())}
+        seen = set()
+        self.layouts: List[GroupLayout] = []
+        for gi, g in enumerate(groups):
+            params = []
+            for p in g["params"]:
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"param group {gi} holds a {type(p).__name__}, not a tensor.")
+                if not p.requires_grad:
+                    continue  # frozen: stays in the module, never in a flat buffer
+                if id(p) not in names:
+                    raise ValueError(f"param group {gi} holds a parameter of shape {tuple(p.shape)} that is not "
+                                     f"a parameter of the model passed to deepspeed.initialize.")
+                if id(p) in seen:
+                    raise ValueError(f"parameter '{names[id(p)]}' appears in more than one parameter group.")
+                if not p.is_floating_point():
+                    raise TypeError(f"parameter '{names[id(p)]}' is {p.dtype}; only floating parameters train.")
+                seen.add(id(p))
+                params.append(p)
+            self.layouts.append(GroupLayout(gi, params, [names[id(p)] for p in params], self.n_parts,
+                                            self.reduce_bucket_size))
+        self.buckets = order_buckets(self.layouts, module_index)
+        self.slots = [s for lay in self.layouts for s in lay.slots]
+        self.fragments = [lay.fragments(self.part_rank) for lay in self.layouts]
+
+    def _build_parameter_storage(self):
+        """Masters first (from the full-precision weights), then cast the module and
+        re-home every trainable parameter into its group's flat buffer."""
+        separate_master = self.mixed or self.offload
+        self.masters = []
+        for lay, frags in zip(self.layouts, self.fragments):
+            if not separate_master:
+                self.masters.append(None)
+                continue
+            m = torch.zeros(lay.part_numel, dtype=torch.float32, device=self.master_device)
+            if self.pin_memory and torch.device(self.ctx.device).type != "cpu":
+                m = m.pin_memory()
+            for f in frags:
+                src = f.slot.param.detach().reshape(-1).narrow(0, f.param_start, f.numel)
+                m.narrow(0, f.part_offset, f.numel).copy_(src)
+            self.masters.append(m)
+        if self.mixed:
+            self.module.to(self.dtype)
+        self.param_flats = []
+        self.opt_tensors = []
+        for lay, m in zip(self.layouts, self.masters):
+            dev = lay.slots[0].param.device if lay.slots else torch.device(self.ctx.device)
+            flat = torch.zeros(lay.numel, dtype=self.dtype, device=dev)
+            for s in lay.slots:
+                view = flat.narrow(0, s.flat_offset, s.numel)
+                view.copy_(s.param.detach().reshape(-1))
+                s.param.data = view.view(s.shape)
+            self.param_flats.append(flat)
+            if m is not None:
+                self.opt_tensors.append([m])
+            else:  # fp32 in place: the master is this rank's chunks of the parameter buffer
+                self.opt_tensors.append([flat[slice(*b.chunk_range(self.part_rank))] for b in lay.buckets])
+
+    def _build_gradient_storage(self):
+        self.grad_bufs, self.part_grads, self._grad_views = [], [], {}
+        for lay, flat in zip(self.layouts, self.param_flats):
+            if self.partition_grads:
+                self.part_grads.append(torch.zeros(lay.part_numel, dtype=self.grad_dtype, device=flat.device))
+            else:
+                buf = torch.zeros(lay.numel, dtype=self.grad_dtype, device=flat.device)
+                self.grad_bufs.append(buf)
+                for s in lay.slots:
+                    view = buf.narrow(0, s.flat_offset, s.numel)
+                    self._grad_views[id(s)] = view
+                    if self.grad_dtype == self.dtype:
+                        s.param.grad = view.view(s.shape)
+        common = dict(overlap=self.overlap, predivide=self.predivide)
+        if self.partition_grads:
+            self.reducer = PartitionGradReducer(
+                self.buckets, self.part_grads, self.n_parts, self.comm, reduce_scatter=self.ctx.config.zero.reduce_scatter,
+                comm_dtype=self.comm_dtype, contiguous=self.ctx.config.zero.contiguous_gradients, **common)
+        else:
+            mode = "all_reduce" if self.n_parts == 1 else (
+                "reduce_scatter" if self.ctx.config.zero.reduce_scatter else "reduce")
+            self.reducer = FullGradReducer(self.buckets, self.grad_bufs, self.n_parts, self.comm, mode=mode,
+                                           comm_dtype=self.comm_dtype, **common)
+        self._touched = set()
+
+    # ------------------------------------------------------------------ the optimizer face
+    @property
+    def param_groups(self):
+        return self.inner.param_groups if self.inner is not None else []
+
+    @param_groups.setter
+    def param_groups(self, value):
+        if self.inner is not None:
+            self.inner.param_groups = value
+
+    @property
+    def state(self):
+        return self.inner.state if self.inner is not None else {}
+
+    @property
+    def defaults(self):
+        return self.inner.defaults if self.inner is not None else {}
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.cur_scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.scaler.cur_scale
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.scaler.dynamic
+
+    @property
+    def launch_counts(self) -> dict:
+        """Collectives launched since construction, by kind (tests count them)."""
+        return dict(self.comm.launches)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(stage={self.stage}, dtype={self.dtype}, inner={type(self.inner).__name__})"
+
+    # ------------------------------------------------------------------ backward
+    def scale_loss(self, loss):
+        return self.scaler.scale_loss(loss)
+
+    def _on_grad(self, slot, p):
+        self._touched.add(id(slot))
+        if self.partition_grads:
+            self.reducer.add_grad(slot, p.grad)
+            p.grad = None
+            return
+        view = self._grad_views[id(slot)]
+        if self.grad_dtype != self.dtype:   # accumulate in a wider dtype than autograd's
+            view.add_(p.grad.reshape(-1))
+            p.grad = None
+        elif p.grad.data_ptr() != view.data_ptr():  # someone replaced p.grad (module.zero_grad())
+            view.copy_(p.grad.reshape(-1))
+            p.grad = view.view(slot.shape)
+        self.reducer.mark_ready(slot)
+
+    def backward(self, loss, *, sync, retain_graph=False):
+        boundary = sync and self._sync_enabled
+        if not self.partition_grads:
+            self.reducer.armed = boundary and self.world > 1
+        loss.backward(retain_graph=retain_graph)
+        if self.partition_grads:
+            self.reducer.finish()
+        elif boundary:
+            self.reducer.finish()
+        if boundary and not self.ignore_unused:
+            missing = [s.name for s in self.slots if id(s) not in self._touched]
+            if missing:
+                raise RuntimeError(
+                    f"Parameters received no gradient in this accumulation window: {missing[:10]}"
+                    f"{' ...' if len(missing) > 10 else ''}. Set zero_optimization.ignore_unused_parameters "
+                    f"true to treat their gradients as zero, or freeze them (requires_grad=False).")
+
+    # ------------------------------------------------------------------ step
+    def step(self, closure=None) -> StepOutcome:
+        if closure is not None:
+            raise ValueError("engine.optimizer.step(closure) is not supported: a ZeRO/mixed-precision step "
+                             "runs after engine.backward().")
+        if self.inner is None:
+            return StepOutcome()
+        grads = self._attach_master_grads()
+        flag, sq = self._overflow_and_sq_norm(grads)
+        if flag and self.skip_on_overflow:
+            return self._skip_step()
+        post = self.predivide / self.world
+        scale = self.scaler.cur_scale
+        norm = math.sqrt(sq) * post / scale if math.isfinite(sq) else float(sq)
+        mult = post / scale * (clip_coef(norm, self.clip) if self.clip > 0 else 1.0)
+        if mult != 1.0 and grads:
+            torch._foreach_mul_(grads, mult)
+        self.inner.step()
+        self._detach_master_grads()
+        self.refresh_module_params()
+        self.scaler.update_scale(False)
+        self.overflow = False
+        self.last_grad_norm = norm
+        return StepOutcome(skipped=False, grad_norm=norm)
+
+    def _grad_chunks(self, g):
+        """This rank's reduced gradients of group ``g``, one tensor per bucket, partition order."""
+        lay = self.layouts[g]
+        if self.partition_grads:
+            pg = self.part_grads[g]
+            return [pg.narrow(0, b.part_start, b.chunk) for b in lay.buckets]
+        buf = self.grad_bufs[g]
+        return [buf[slice(*b.chunk_range(self.part_rank))] for b in lay.buckets]
+
+    def _attach_master_grads(self) -> List[torch.Tensor]:
+        grads = []
+        for g, (lay, m) in enumerate(zip(self.layouts, self.masters)):
+            chunks = self._grad_chunks(g)
+            if m is None:
+                for t, c in zip(self.opt_tensors[g], chunks):
+                    t.grad = c
+                    grads.append(c)
+                continue
+            whole = self.part_grads[g] if self.partition_grads else (self.grad_bufs[g] if self.n_parts == 1 else None)
+            if whole is not None and whole.dtype == torch.float32 and whole.device == m.device:
+                m.grad = whole
+            else:
+                g32 = torch.empty(lay.part_numel, dtype=torch.float32, device=m.device)
+                if whole is not None:
+                    g32.copy_(whole)
+                else:
+                    for b, c in zip(lay.buckets, chunks):
+                        g32.narrow(0, b.part_start, b.chunk).copy_(c)
+                m.grad = g32
+            grads.append(m.grad)
+        return grads
+
+    def _detach_master_grads(self):
+        for ts in self.opt_tensors:
+            for t in ts:
+                t.grad = None
+
+    def _overflow_and_sq_norm(self, grads):
+        """One collective: (any rank non-finite?, squared norm of the summed gradients)."""
+        sq = torch.stack(torch._foreach_norm(grads, 2.0)).double().pow(2).sum() if grads else torch.zeros((), dtype=torch.float64)
+        flag = 0.0 if math.isfinite(sq.item()) else 1.0
+        mpu = self.ctx.mpu
+        mp_split = mpu is not None and mpu.get_model_parallel_world_size() > 1
+        if mp_split and mpu.get_model_parallel_rank() != 0:
+            sq = self._sq_norm_model_parallel_only()
+        if not self.partition_master and self.rank != 0:
+            sq = torch.zeros((), dtype=torch.float64)  # replicated gradients: count them once
+        packed = torch.stack([torch.tensor(flag, dtype=torch.float64), sq])
+        if self.world > 1:
+            dist.all_reduce(packed, group=self.ctx.dp_group)
+        if mp_split:
+            dist.all_reduce(packed, group=mpu.get_model_parallel_group())
+        return packed[0].item() > 0, packed[1].item()
+
+    def _sq_norm_model_parallel_only(self):
+        parts = []
+        for g, frags in enumerate(self.fragments):
+            for f in frags:
+                if is_model_parallel_parameter(f.slot.param):
+                    parts.append(self._fragment_grad(g, f).float())
+        if not parts:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack(torch._foreach_norm(parts, 2.0)).double().pow(2).sum()
+
+    def _skip_step(self) -> StepOutcome:
+        prev = self.scaler.cur_scale
+        names = self._overflowed_names()
+        self._detach_master_grads()
+        self.scaler.update_scale(True)
+        self.overflow = True
+        self.last_grad_norm = None
+        if self.ctx.dp_rank == 0:
+            logger.info(f"[deepspeed] fp16 gradient overflow on some rank: step skipped, loss scale "
+                        f"{prev} -> {self.scaler.cur_scale}")
+        if getattr(self.scaler, "overflows_at_min_scale", 0) >= 2:
+            gathered = [None] * self.world
+            if self.world > 1:
+                dist.all_gather_object(gathered, names, group=self.ctx.dp_group)
+            else:
+                gathered = [names]
+            warn_stuck_at_min_scale(self.scaler, sorted({n for ns in gathered for n in ns}))
+        return StepOutcome(skipped=True, grad_norm=None)
+
+    def _overflowed_names(self):
+        out = []
+        for g, frags in enumerate(self.fragments):
+            for f in frags:
+                if not torch.isfinite(self._fragment_grad(g, f)).all():
+                    out.append(f.slot.name)
+        return out
+
+    def _fragment_grad(self, g, f):
+        """This rank's reduced (still scaled, summed) gradient of fragment ``f``."""
+        b = f.slot.bucket
+        chunk = self._grad_chunks(g)[b.index]
+        return chunk.narrow(0, f.part_offset - b.part_start, f.numel)
+
+    # ------------------------------------------------------------------ parameters after the update
+    def refresh_module_params(self):
+        """Copy the updated masters into the 16-bit parameters and all-gather the partitions."""
+        for g, (lay, m) in enumerate(zip(self.layouts, self.masters)):
+            if m is None:
+                continue
+            flat = self.param_flats[g]
+            if self.n_parts == 1:
+                flat.copy_(m, non_blocking=self.pin_memory)
+            else:
+                for b in lay.buckets:
+                    flat[slice(*b.chunk_range(self.part_rank))].copy_(m.narrow(0, b.part_start, b.chunk),
+                                                                       non_blocking=self.pin_memory)
+        if self.n_parts > 1:
+            self._all_gather_params()
+
+    def _all_gather_params(self):
+        """In-place all-gather per bucket; at most ``allgather_bucket_size`` elements in flight."""
+        inflight, n_inflight = [], 0
+        for b in self.buckets:
+            region = self.param_flats[b.group].narrow(0, b.flat_start, b.region_numel(self.n_parts))
+            mine = region.narrow(0, self.part_rank * b.chunk, b.chunk)
+            inflight.append((self.comm.all_gather(region, mine), region.numel()))
+            n_inflight += region.numel()
+            while n_inflight > self.allgather_bucket_size and len(inflight) > 1:
+                w, n = inflight.pop(0)
+                w.wait()
+                n_inflight -= n
+        for w, _ in inflight:
+            w.wait()
+
+    # ------------------------------------------------------------------ gradients between steps
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient storage (``set_to_none`` keeps the buffers: they are reused)."""
+        for buf in self.grad_bufs:
+            buf.zero_()
+        for pg in self.part_grads:
+            pg.zero_()
+        for s in self.slots:
+            if self.partition_grads or self.grad_dtype != self.dtype:
+                s.param.grad = None
+            else:
+                s.param.grad = self._grad_views[id(s)].view(s.shape)
+        self._touched.clear()
+
+    def module_state_dict(self) -> dict:
+        from ...checkpoint.utils import clone_tensors_for_torch_save
+        return clone_tensors_for_torch_save(self.module.state_dict(), device=None)
+
+    def destroy(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,242 @@
+"""Bucketed gradient reduction for the flat-buffer strategies (stages 0-mixed, 1, 2).
+
+Two owners of gradients:
+
+* :class:`FullGradReducer` (stage 0 mixed, stage 1): every rank keeps the full
+  gradients of its micro-steps in one flat buffer per group (``p.grad`` are views into
+  it). Only the boundary micro-step reduces: each bucket region is all-reduced
+  (stage 0) or reduce-scattered in place (stage 1; or reduced to its owners with
+  ``reduce_scatter: false``), launched from the backward hook of its last parameter.
+* :class:`PartitionGradReducer` (stage 2): no full buffer survives a micro-step. A
+  parameter's gradient is copied into its bucket's staging buffer and freed; a full
+  bucket is reduce-scattered and each rank adds its chunk into its gradient partition.
+  Every micro-step reduces, so accumulation happens in the partition.
+
+Averaging is *not* done here: regions are divided by ``predivide`` before the
+collective and the rest of the ``1/N`` is folded into the single multiply the step
+applies anyway (unscale and clip), saving a pass over the gradients.
+Launch order is the same on every rank (buckets are launched strictly in
+``Bucket.order``), so collectives always pair up.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .flat_layout import Bucket, Slot
+
+# torch >= 2.9 names the single-tensor collectives *_single (the old names warn).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class LateGradientError(RuntimeError):
+    """A gradient arrived for a bucket whose reduction was already launched."""
+
+
+def _late(slot: Slot) -> LateGradientError:
+    return LateGradientError(
+        f"Parameter '{slot.name}' received another gradient after its bucket was already reduced in this "
+        f"backward (reentrant activation checkpointing, or the parameter used in a second autograd graph). "
+        f"Set zero_optimization.overlap_comm to false so buckets are reduced after backward completes.")
+
+
+class _Comm:
+    def __init__(self, group, world_size: int, rank: int):
+        self.group = group
+        self.world = world_size
+        self.rank = rank
+        self.launches: Counter = Counter()
+
+    def global_rank(self, r: int) -> int:
+        if self.group is None or self.group is dist.group.WORLD:
+            return r
+        return dist.get_global_rank(self.group, r)
+
+    def all_reduce(self, t):
+        self.launches["all_reduce"] += 1
+        return [dist.all_reduce(t, group=self.group, async_op=True)]
+
+    def reduce_scatter(self, out, inp):
+        self.launches["reduce_scatter"] += 1
+        return [_reduce_scatter_single(out, inp, group=self.group, async_op=True)]
+
+    def all_gather(self, out, inp):
+        self.launches["all_gather"] += 1
+        return _all_gather_single(out, inp, group=self.group, async_op=True)
+
+    def reduce_to_owners(self, inp, chunk: int):
+        works = []
+        for r in range(self.world):
+            self.launches["reduce"] += 1
+            works.append(dist.reduce(inp[r * chunk:(r + 1) * chunk], dst=self.global_rank(r),
+                                     group=self.group, async_op=True))
+        return works
+
+
+class _InOrderLauncher:
+    """Tracks ready parameters per bucket and launches full buckets in ``order``."""
+
+    def __init__(self, buckets: List[Bucket], overlap: bool):
+        self.buckets = sorted(buckets, key=lambda b: b.order)
+        self.overlap = overlap
+        self.ready = [set() for _ in self.buckets]
+        self.launched = [False] * len(self.buckets)
+        self.next = 0
+
+    def mark(self, slot: Slot) -> None:
+        b = slot.bucket
+        if self.launched[b.order]:
+            raise _late(slot)
+        self.ready[b.order].add(id(slot))
+        if self.overlap:
+            while self.next < len(self.buckets) and len(self.ready[self.next]) == len(self.buckets[self.next].slots):
+                self._go(self.next)
+
+    def launch_rest(self) -> None:
+        while self.next < len(self.buckets):
+            self._go(self.next)
+
+    def _go(self, i: int) -> None:
+        self.launched[i] = True
+        self.next = i + 1
+        self.launch(self.buckets[i])
+
+    def reset(self) -> None:
+        for s in self.ready:
+            s.clear()
+        self.launched = [False] * len(self.buckets)
+        self.next = 0
+
+    def launch(self, b: Bucket) -> None:  # overridden
+        raise RuntimeError("abstract")
+
+
+class FullGradReducer(_InOrderLauncher):
+    """Reduce full flat gradient buffers at the accumulation boundary (stages 0 and 1)."""
+
+    def __init__(self, buckets, grad_bufs: List[torch.Tensor], n_parts: int, comm: _Comm, *, mode: str,
+                 overlap: bool, predivide: float, comm_dtype: Optional[torch.dtype]):
+        super().__init__(buckets, overlap)
+        self.grad_bufs = grad_bufs
+        self.n_parts = n_parts
+        self.comm = comm
+        self.mode = mode                  # "all_reduce" | "reduce_scatter" | "reduce"
+        self.predivide = predivide
+        self.comm_dtype = comm_dtype
+        self.pending = []                 # (bucket, works, send buffer)
+        self.armed = False
+
+    def region(self, b: Bucket) -> torch.Tensor:
+        return self.grad_bufs[b.group].narrow(0, b.flat_start, b.region_numel(self.n_parts))
+
+    def mark_ready(self, slot: Slot) -> None:
+        if self.armed:
+            self.mark(slot)
+
+    def launch(self, b: Bucket) -> None:
+        region = self.region(b)
+        if self.predivide != 1.0:
+            region.div_(self.predivide)
+        send = region if self.comm_dtype in (None, region.dtype) else region.to(self.comm_dtype)
+        if self.comm.world == 1:
+            works = []
+        elif self.mode == "all_reduce":
+            works = self.comm.all_reduce(send)
+        elif self.mode == "reduce_scatter":
+            r, c = self.comm.rank, b.chunk
+            works = self.comm.reduce_scatter(send[r * c:(r + 1) * c], send)
+        else:
+            works = self.comm.reduce_to_owners(send, b.chunk)
+        self.pending.append((b, works, send))
+
+    def finish(self) -> None:
+        """Launch what is left (unused parameters, overlap off), wait, copy back."""
+        if not self.armed:
+            return
+        self.launch_rest()
+        for b, works, send in self.pending:
+            for w in works:
+                w.wait()
+            region = self.region(b)
+            if send is not region:
+                region.copy_(send)
+        self.pending.clear()
+        self.reset()
+        self.armed = False
+
+
+class PartitionGradReducer(_InOrderLauncher):
+    """Reduce every micro-step's gradients into this rank's partition (stage 2)."""
+
+    def __init__(self, buckets, part_grads: List[torch.Tensor], n_parts: int, comm: _Comm, *, reduce_scatter: bool,
+                 overlap: bool, predivide: float, comm_dtype: torch.dtype, contiguous: bool, max_inflight: int = 2):
+        super().__init__(buckets, overlap)
+        self.part_grads = part_grads
+        self.n_parts = n_parts
+        self.comm = comm
+        self.use_reduce_scatter = reduce_scatter
+        self.predivide = predivide
+        self.comm_dtype = comm_dtype
+        self.contiguous = contiguous
+        self.max_inflight = max(1, max_inflight)
+        self.staging = {}                 # bucket order -> staging buffer
+        self.held = {}                    # bucket order -> [(slot, grad)] when not contiguous
+        self.pending = []                 # (bucket, works, out)
+
+    def add_grad(self, slot: Slot, grad: torch.Tensor) -> None:
+        """Take ``grad`` (the parameter's gradient of this backward) into the bucket."""
+        b = slot.bucket
+        if self.launched[b.order]:
+            raise _late(slot)
+        if self.contiguous:
+            buf = self._staging(b)
+            buf.narrow(0, slot.bucket_offset, slot.numel).add_(grad.reshape(-1))
+        else:
+            self.held.setdefault(b.order, []).append((slot, grad))
+        self.mark(slot)
+
+    def _staging(self, b: Bucket) -> torch.Tensor:
+        buf = self.staging.get(b.order)
+        if buf is None:
+            buf = torch.zeros(b.region_numel(self.n_parts), dtype=self.comm_dtype,
+                              device=self.part_grads[b.group].device)
+            self.staging[b.order] = buf
+        return buf
+
+    def launch(self, b: Bucket) -> None:
+        buf = self._staging(b)
+        for slot, g in self.held.pop(b.order, []):
+            buf.narrow(0, slot.bucket_offset, slot.numel).add_(g.reshape(-1))
+        if self.predivide != 1.0:
+            buf.div_(self.predivide)
+        r, c = self.comm.rank, b.chunk
+        if self.comm.world == 1:
+            works, out = [], buf
+        elif self.use_reduce_scatter:
+            out = torch.empty(c, dtype=buf.dtype, device=buf.device)
+            works = self.comm.reduce_scatter(out, buf)
+        else:
+            out = buf[r * c:(r + 1) * c]
+            works = self.comm.reduce_to_owners(buf, c)
+        self.pending.append((b, works, out))
+        if len(self.pending) > self.max_inflight:
+            self._complete(self.pending.pop(0))
+
+    def _complete(self, item) -> None:
+        b, works, out = item
+        for w in works:
+            w.wait()
+        self.part_grads[b.group].narrow(0, b.part_start, b.chunk).add_(out)
+        self.staging.pop(b.order, None)
+
+    def finish(self) -> None:
+        self.launch_rest()
+        while self.pending:
+            self._complete(self.pending.pop(0))
+        self.staging.clear()
+        self.held.clear()
+        self.reset()

@@ -1,0 +1,69 @@
+"""Build the optimizer that updates the flat fp32 master tensors.
+
+Strategies that own master weights never step the user's optimizer over the module's
+(16-bit) parameters. They build the same optimizer - same class, same per-group
+hyperparameters - over their flat master tensors instead, so the update is one
+fused/foreach kernel per group over contiguous memory.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import List, Optional
+
+import torch
+
+from ...config.errors import DeepSpeedConfigError
+
+
+def user_param_groups(ctx) -> List[dict]:
+    """The user's parameter groups: a client optimizer's own groups when one was passed
+    (that is where the user put the hyperparameters), else ``model_parameters``."""
+    if ctx.client_optimizer is not None:
+        return [dict(g, params=list(g["params"])) for g in ctx.client_optimizer.param_groups]
+    return [dict(g, params=list(g["params"])) for g in ctx.param_groups]
+
+
+def _constructor_kwargs(cls, defaults: dict) -> dict:
+    try:
+        sig = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in sig.parameters}
+
+
+def build_inner_optimizer(ctx, groups: List[dict]) -> Optional[torch.optim.Optimizer]:
+    """``groups``: the user's groups with ``params`` replaced by master tensors."""
+    if ctx.optimizer_factory is not None:
+        opt = ctx.optimizer_factory(groups)
+        where = "the optimizer factory (config 'optimizer' section or callable passed to initialize)"
+    elif ctx.client_optimizer is not None:
+        client = ctx.client_optimizer
+        cls = type(client)
+        try:
+            opt = cls(groups, **_constructor_kwargs(cls, getattr(client, "defaults", {}) or {}))
+        except Exception as err:  # noqa: BLE001 - explain what we tried
+            raise DeepSpeedConfigError(
+                f"Mixed precision / ZeRO re-creates the client optimizer {cls.__name__} over its fp32 "
+                f"master weights as {cls.__name__}(param_groups, **defaults), which failed: {err}. "
+                f"Pass a callable `lambda params: {cls.__name__}(params, ...)` as 'optimizer' instead.") from None
+        where = f"the client optimizer {cls.__name__}"
+    else:
+        return None
+    if not hasattr(opt, "param_groups") or not hasattr(opt, "step"):
+        raise TypeError(f"{where} returned {type(opt).__name__}, which is not a torch optimizer "
+                        f"(it needs param_groups and step()).")
+    _check_groups(opt, groups, where)
+    return opt
+
+
+def _check_groups(opt, groups: List[dict], where: str) -> None:
+    built = [[id(p) for p in g["params"]] for g in opt.param_groups]
+    wanted = [[id(p) for p in g["params"]] for g in groups]
+    if built != wanted:
+        raise DeepSpeedConfigError(
+            f"{where} did not keep the parameter groups it was given ({len(groups)} groups of flat "
+            f"master tensors; got {len(opt.param_groups)}). With fp16/bf16 or ZeRO the optimizer is built "
+            f"over flat master weights: the factory must pass its argument through as the params "
+            f"(e.g. `lambda params: torch.optim.AdamW(params, lr=1e-3)`).")

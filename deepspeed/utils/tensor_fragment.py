@@ -1,0 +1,108 @@
+"""Read and write the full or local fp32 master weights, gradients and optimizer state
+of one parameter, whatever the ZeRO stage.
+
+Why: under ZeRO a parameter's fp32 master, gradient and optimizer state are split
+across ranks and live in flat buffers; ``param.grad`` is usually None. Code that
+inspects or edits them (gradient logging, weight surgery, optimizer-state resets)
+calls these functions instead.
+
+Protocol. A strategy that owns such state sets ``param._ds_state_owner`` to an
+object with these methods (``deepspeed.runtime.precision.flat_state.FlatStateMixin``
+implements them for stage 0 in 16-bit and stages 1/2; stage 3 provides its own)::
+
+    full_fp32_param(p) / full_grad(p) / full_optimizer_state(p, key)          # collective
+    local_fp32_param(p) / local_grad(p) / local_optimizer_state(p, key)       # this rank's fragment
+    set_full_fp32_param(p, value) / set_full_optimizer_state(p, key, value)
+    set_local_fp32_param(p, value) / set_local_optimizer_state(p, key, value)
+
+``full_*`` getters are collective at stages 1-3: every data-parallel rank must call
+them for the same parameter. Gradients are the averaged, unscaled gradients of the
+last accumulation boundary (valid between ``engine.backward`` and ``engine.step``).
+A parameter without an owner (fp32 training at stage 0) is its own master; its
+optimizer state is not reachable from the parameter, so those getters return None.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _owner(param):
+    return getattr(param, "_ds_state_owner", None)
+
+
+def safe_get_full_fp32_param(param):
+    """The full fp32 master weights of ``param`` (shape of the parameter)."""
+    o = _owner(param)
+    if o is None:
+        return param.detach().float().clone()
+    return o.full_fp32_param(param)
+
+
+def safe_get_full_grad(param):
+    """The full averaged gradient of ``param`` in fp32, or None if it has none."""
+    o = _owner(param)
+    if o is None:
+        return None if param.grad is None else param.grad.detach().float().clone()
+    return o.full_grad(param)
+
+
+def safe_get_full_optimizer_state(param, optim_state_key):
+    """The full optimizer state ``optim_state_key`` (e.g. ``"exp_avg"``) of ``param``, or None."""
+    o = _owner(param)
+    if o is None:
+        return None
+    return o.full_optimizer_state(param, optim_state_key)
+
+
+def safe_set_full_fp32_param(param, value):
+    """Set the fp32 master (and the module's parameter) of ``param`` from a full tensor;
+    every rank passes the same value."""
+    o = _owner(param)
+    if o is None:
+        with torch.no_grad():
+            param.copy_(value)
+        return
+    o.set_full_fp32_param(param, value)
+
+
+def safe_set_full_optimizer_state(param, value, optim_state_key):
+    o = _owner(param)
+    if o is None:
+        raise ValueError("This parameter's optimizer state is not held by a deepspeed strategy "
+                         "(fp32 at ZeRO stage 0): set it on engine.optimizer.state directly.")
+    o.set_full_optimizer_state(param, optim_state_key, value)
+
+
+def safe_get_local_fp32_param(param):
+    """This rank's fragment of the fp32 master (1-D), or None if it owns none of it."""
+    o = _owner(param)
+    return param.detach().float().reshape(-1) if o is None else o.local_fp32_param(param)
+
+
+def safe_get_local_grad(param):
+    o = _owner(param)
+    if o is None:
+        return None if param.grad is None else param.grad.detach().float().reshape(-1)
+    return o.local_grad(param)
+
+
+def safe_get_local_optimizer_state(param, optim_state_key):
+    o = _owner(param)
+    return None if o is None else o.local_optimizer_state(param, optim_state_key)
+
+
+def safe_set_local_fp32_param(param, value):
+    o = _owner(param)
+    if o is None:
+        with torch.no_grad():
+            param.view(-1).copy_(value.reshape(-1))
+        return
+    o.set_local_fp32_param(param, value)
+
+
+def safe_set_local_optimizer_state(param, value, optim_state_key):
+    o = _owner(param)
+    if o is None:
+        raise ValueError("This parameter's optimizer state is not held by a deepspeed strategy "
+                         "(fp32 at ZeRO stage 0): set it on engine.optimizer.state directly.")
+    o.set_local_optimizer_state(param, optim_state_key, value)
