@@ -349,7 +349,7 @@ class WarmupLR(_Schedule):
 
     def _gamma(self) -> float:
         it = self.last_batch_iteration
-        if it < self.warmup_num_steps:
+        if 0 < self.warmup_num_steps and it < self.warmup_num_steps:
             return _warmup_gamma(it, self.warmup_num_steps, self.warmup_type)
         return self._after_warmup_gamma()
 
@@ -421,7 +421,7 @@ class WarmupCosineLR(_Schedule):
 
     def get_lr_ratio(self) -> float:
         it = self.last_batch_iteration
-        if it < self.warmup_num_steps:
+        if 0 < self.warmup_num_steps and it < self.warmup_num_steps:
             gamma = _warmup_gamma(it, self.warmup_num_steps, self.warmup_type)
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * gamma
         progress = min(1.0, (it - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))

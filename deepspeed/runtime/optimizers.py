@@ -87,7 +87,8 @@ def resolve_optimizer_type(type_name: Any) -> str:
         if key == name.lower():
             return name
     lower_to_name = {n.lower(): n for n in valid}
-    hint = did_you_mean(key, list(lower_to_name))
+    # DeepSpeed's own names first: 'Adma' should suggest Adam, not torch's Adamax.
+    hint = did_you_mean(key, [n.lower() for n in DEEPSPEED_OPTIMIZERS]) or did_you_mean(key, list(lower_to_name))
     for lower, name in lower_to_name.items():
         hint = hint.replace(repr(lower), repr(name))
     raise _err(f"optimizer.type '{type_name}' is not a known optimizer. Valid types: {', '.join(valid)} "
