@@ -74,8 +74,11 @@ class ParameterCoordinator:
         self.prefetch_handles = []
         self.gathers = 0          # synchronous gathers issued (tests/benchmarks read these)
         self.prefetches = 0
+        self.peak_live_numel = 0  # most gathered elements alive at once (transient memory)
         self.hooks = []
-        for m in module.modules():
+        self.names = {}
+        for name, m in module.named_modules():
+            self.names[id(m)] = name or type(m).__name__
             self.hooks.append(m.register_forward_pre_hook(self._pre_forward))
             self.hooks.append(m.register_forward_hook(self._post_forward))
 
@@ -136,30 +139,33 @@ class ParameterCoordinator:
         if phase == FWD:
             self._fwd_pos[id(module)] = pos
         wait_available(params)
-        if gather_params(params, what=f"{type(module).__name__} ({'forward' if phase == FWD else 'backward'})"):
+        what = f"module '{self.names.get(id(module), type(module).__name__)}' " \
+               f"({'forward' if phase == FWD else 'backward'})"
+        if gather_params(params, what=what):
             self.gathers += 1
         for p in params:
             self.live[id(p)] = p
         if self.predicting:
             self._prefetch()
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel())
 
     def _prefetch(self) -> None:
-        budget = self.prefetch_bucket_size
+        budget = min(self.prefetch_bucket_size, self.max_live - self.live_numel())
         if budget <= 0:
             return
-        room = self.max_live - self.live_numel()
         todo, seen, n = [], set(), 0
         for j in range(self.cursor, min(len(self.trace), self.cursor + _WINDOW)):
+            fits = True
             for p in self.trace[j][2]:
                 if p.ds_status != ZeroParamStatus.NOT_AVAILABLE or id(p) in seen:
                     continue
-                if n + p.ds_numel > budget or n + p.ds_numel > room:
-                    j = len(self.trace)
+                if n + p.ds_numel > budget:
+                    fits = False
                     break
                 seen.add(id(p))
                 todo.append(p)
                 n += p.ds_numel
-            if j >= len(self.trace) or n >= budget:
+            if not fits:
                 break
         if todo:
             h = gather_params(todo, async_op=True, what="prefetch of upcoming modules")

@@ -261,28 +261,27 @@ def module_params_to_fetch(module) -> list:
     out = [p for p in module._parameters.values() if p is not None and is_zero_param(p) and not p.ds_persist]
     ext = module.__dict__.get("_z3_external_params")
     if ext:
-        out.extend(p for p in ext.values() if not p.ds_persist and all(p is not q for q in out))
+        out.extend(p for p in ext.values()
+                   if is_zero_param(p) and not p.ds_persist and all(p is not q for q in out))
     return out
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     """Tell ZeRO-3 that ``module``'s forward uses ``parameter``, which belongs to another module,
-    so it is gathered before ``module`` runs (and before its backward)."""
+    so it is gathered before ``module`` runs (and before its backward). May be called before
+    the parameter is partitioned (in ``__init__``)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"register_external_parameter: 'module' must be a torch.nn.Module, "
                         f"got {type(module).__name__}.")
     if not isinstance(parameter, torch.nn.Parameter):
         raise TypeError(f"register_external_parameter: 'parameter' must be a torch.nn.Parameter, "
                         f"got {type(parameter).__name__}.")
-    if not is_zero_param(parameter):
-        return  # not partitioned: always available, nothing to do
-    ext = module.__dict__.setdefault("_z3_external_params", {})
-    ext[parameter.ds_id] = parameter
+    module.__dict__.setdefault("_z3_external_params", {})[id(parameter)] = parameter
 
 
 def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     ext = module.__dict__.get("_z3_external_params")
-    if not ext or getattr(parameter, "ds_id", None) not in ext:
+    if not ext or id(parameter) not in ext:
         raise ValueError("unregister_external_parameter: the parameter was not registered as external "
                          f"on {type(module).__name__}.")
-    del ext[parameter.ds_id]
+    del ext[id(parameter)]
