@@ -171,14 +171,21 @@ def load_engine_checkpoint(engine, load_dir: str, tag=None, load_module_strict=T
 
 
 def load_module_checked(module: torch.nn.Module, sd: dict, strict: bool) -> None:
-    """Load ``sd`` into ``module``; on a mismatch raise an error naming the keys."""
-    try:
-        result = module.load_state_dict(sd, strict=False)
-    except RuntimeError as err:  # shape mismatches are raised even with strict=False
-        raise CheckpointError(f"Checkpoint does not match the model: {err}") from None
-    if strict and (result.missing_keys or result.unexpected_keys):
-        raise CheckpointError(
-            "Checkpoint does not match the model:"
-            + (f" missing keys {result.missing_keys};" if result.missing_keys else "")
-            + (f" unexpected keys {result.unexpected_keys};" if result.unexpected_keys else "")
-            + " pass load_module_strict=False to load the matching keys only.")
+    """Load ``sd`` into ``module``; on a mismatch raise an error naming every key involved."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    shapes = [f"{k} (checkpoint {tuple(sd[k].shape)}, model {tuple(own[k].shape)})"
+              for k in own if k in sd and torch.is_tensor(sd[k]) and sd[k].shape != own[k].shape]
+    if shapes or (strict and (missing or unexpected)):
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing}")
+        if unexpected:
+            parts.append(f"unexpected keys {unexpected}")
+        if shapes:
+            parts.append(f"shape mismatches {shapes}")
+        raise CheckpointError("Checkpoint does not match the model: " + "; ".join(parts)
+                              + (". Pass load_module_strict=False to load the matching keys only."
+                                 if not shapes else "."))
+    module.load_state_dict({k: v for k, v in sd.items() if k in own}, strict=False)
