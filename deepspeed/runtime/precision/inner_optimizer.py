@@ -35,7 +35,14 @@ def _constructor_kwargs(cls, defaults: dict) -> dict:
 
 def build_inner_optimizer(ctx, groups: List[dict]) -> Optional[torch.optim.Optimizer]:
     """``groups``: the user's groups with ``params`` replaced by master tensors."""
-    if ctx.optimizer_factory is not None:
+    cfg = ctx.config
+    offload = cfg.zero.offload_optimizer_device == "cpu"
+    if offload and ctx.client_optimizer is None and cfg.optimizer is not None:
+        # the engine's factory for the config 'optimizer' section: with offload, DeepSpeed's CPU optimizers
+        from ..optimizers import build_optimizer
+        opt = build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups, cpu_offload=True)
+        where = "the config 'optimizer' section (with offload_optimizer.device cpu)"
+    elif ctx.optimizer_factory is not None:
         opt = ctx.optimizer_factory(groups)
         where = "the optimizer factory (config 'optimizer' section or callable passed to initialize)"
     elif ctx.client_optimizer is not None:
