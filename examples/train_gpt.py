@@ -27,7 +27,7 @@ from gpt import GPT, ByteWindows, stdlib_corpus  # noqa: E402
 
 def parse():
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--out", default="out")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p = deepspeed.add_config_arguments(p)
