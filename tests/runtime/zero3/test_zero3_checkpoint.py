@@ -1,5 +1,6 @@
 """Stage-3 saving: save_16bit_model output loads into a plain module; checkpoints saved at
-one world size resume at others exactly like uninterrupted plain PyTorch."""
+one world size and stage resume at other world sizes and stages exactly like uninterrupted
+plain PyTorch; zero_to_fp32 consolidates a stage-3 checkpoint."""
 from __future__ import annotations
 
 import os
@@ -26,22 +27,34 @@ def _save_body(rank, ws, out_dir):
     refused = eng.save_16bit_model(os.path.join(out_dir, "refused"))
     eng.destroy()
 
-    eng = train_engine(make_lm(seed=0), stage3_config(gas=1, mb=2), lm_batches(2, 4), rank, ws, lr=LR)
-    eng.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="step2")
+    for stage in (3, 2):   # a stage-3 and a stage-2 checkpoint of the same training
+        cfg = stage3_config(gas=1, mb=2)
+        cfg["zero_optimization"]["stage"] = stage
+        eng = train_engine(make_lm(seed=0), cfg, lm_batches(2, 4), rank, ws, lr=LR)
+        eng.save_checkpoint(os.path.join(out_dir, f"ckpt{stage}"), tag="step2")
+        eng.destroy()
     return {"ok": ok, "gathered": gathered, "refused": refused}
 
 
-def _resume_body(rank, ws, out_dir):
+def _resume_body(rank, ws, out_dir, cases):
     import deepspeed
-    model = make_lm(seed=123)            # different initial weights: everything must come from the checkpoint
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    eng = deepspeed.initialize(model=model, optimizer=opt, config=stage3_config(gas=1, mb=4 // ws))[0]
-    eng.load_checkpoint(os.path.join(out_dir, "ckpt"))
-    for b in lm_batches(4, 4)[2:]:
-        x, y = shard(b, rank, ws, 0, 4 // ws)
-        eng.backward(eng(x, y))
-        eng.step()
-    return {"sd": eng.module_state_dict(), "steps": eng.global_steps}
+    out = {}
+    for src, stage in cases:
+        model = make_lm(seed=123)        # different initial weights: everything must come from the checkpoint
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        cfg = stage3_config(gas=1, mb=4 // ws)
+        cfg["zero_optimization"]["stage"] = stage
+        eng = deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0]
+        eng.load_checkpoint(os.path.join(out_dir, f"ckpt{src}"))
+        for b in lm_batches(4, 4)[2:]:
+            x, y = shard(b, rank, ws, 0, 4 // ws)
+            eng.backward(eng(x, y))
+            eng.step()
+        sd = eng.module_state_dict() if stage == 3 else {k: v.detach().clone() for k, v in
+                                                         eng.module.state_dict().items()}
+        out[(src, stage)] = {"sd": sd, "steps": eng.global_steps}
+        eng.destroy()
+    return out
 
 
 def test_save_16bit_model_and_resume_at_other_world_sizes(tmp_path):
@@ -60,12 +73,23 @@ def test_save_16bit_model_and_resume_at_other_world_sizes(tmp_path):
     # plain PyTorch reference: 2 steps, then 2 more, on the same global batches
     ref = make_lm(seed=0)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
-    for x, y in lm_batches(4, 4):
+    for i, (x, y) in enumerate(lm_batches(4, 4)):
         opt.zero_grad()
         ref(x, y).backward()
         opt.step()
-    for ws in (1, 4):
-        res = run_distributed(_resume_body, ws, args=(out,), timeout=120)
-        assert res[0]["steps"] == 4
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(res[0]["sd"][k], v, rtol=1e-5, atol=2e-6, msg=f"world size {ws}: {k}")
+        if i == 1:
+            after2 = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(os.path.join(out, "ckpt3"))
+    for k, v in after2.items():
+        torch.testing.assert_close(fp32[k], v, rtol=1e-5, atol=2e-6, msg=f"zero_to_fp32: {k}")
+
+    # (saved stage, loading stage) at world sizes 1 and 4 - the checkpoints were saved at 2
+    for ws, cases in ((1, [(3, 3), (2, 3), (3, 0)]), (4, [(3, 3), (3, 2)])):
+        res = run_distributed(_resume_body, ws, args=(out, cases), timeout=120)
+        for case in cases:
+            assert res[0][case]["steps"] == 4
+            for k, v in ref.state_dict().items():
+                torch.testing.assert_close(res[0][case]["sd"][k], v, rtol=1e-5, atol=2e-6,
+                                           msg=f"world size {ws}, (saved stage, loading stage) {case}: {k}")
