@@ -22,7 +22,8 @@ class Block(nn.Module):
 
 class TinyLM(nn.Module):
     """Embedding tied to the LM head, ``n_layers`` residual blocks, optional activation
-    checkpointing ("reentrant" / "non_reentrant") and an optionally frozen first block."""
+    checkpointing ("reentrant" / "non_reentrant": torch.utils.checkpoint; "deepspeed":
+    deepspeed.checkpointing.checkpoint) and an optionally frozen first block."""
 
     def __init__(self, n_layers=2, ckpt=None, freeze_first=False):
         super().__init__()
@@ -39,7 +40,10 @@ class TinyLM(nn.Module):
     def forward(self, idx, targets=None):
         x = self.embed(idx)
         for b in self.blocks:
-            if self.ckpt and self.training:
+            if self.ckpt == "deepspeed" and self.training:
+                import deepspeed
+                x = deepspeed.checkpointing.checkpoint(b, x)
+            elif self.ckpt and self.training:
                 x = checkpoint(b, x, use_reentrant=self.ckpt == "reentrant")
             else:
                 x = b(x)

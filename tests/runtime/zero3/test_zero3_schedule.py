@@ -84,6 +84,11 @@ def _body(rank, ws):
     h1.remove()
     h2.remove()
     w = m.blocks[0].fc1.weight
+    eng.eval()
+    with torch.no_grad():    # inference: gathered per module, everything released afterwards
+        out["eval_logits"] = eng(x)
+    out["eval_released"] = all(p.ds_status.name == "NOT_AVAILABLE" for p in m.parameters())
+    out["after_one_step"] = eng.module_state_dict()
     out["schedule"] = dict(seen, after_status=w.ds_status.name, after_shape=tuple(w.shape),
                            ds_shape=tuple(w.ds_shape), ds_numel=w.ds_numel, part=w.ds_tensor.numel(),
                            ds_id=w.ds_id)
@@ -138,6 +143,12 @@ def test_partitioned_outside_use_reorder_external_and_fp16_overflow():
     assert s["after_status"] == "NOT_AVAILABLE" and s["after_shape"] == (0,)
     assert s["ds_shape"] == (2 * DIM, DIM) and s["ds_numel"] == 2 * DIM * DIM and s["part"] == DIM * DIM
     assert res[1]["schedule"]["ds_id"] == s["ds_id"]
+    plain = make_lm(seed=0, n_layers=3)
+    plain.load_state_dict(res[0]["after_one_step"])
+    x, _ = shard(lm_batches(1, 4)[0], 0, 2, 0, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(res[0]["eval_logits"], plain(x))
+    assert res[0]["eval_released"] and res[1]["eval_released"]
 
     torch.manual_seed(0)
     ref = plain_reference(ReorderLM(), lm_batches(4, 4), LR)

@@ -19,6 +19,7 @@ def _scenarios_ws2():
         ("fp32_gas2_clip", {}, {"gradient_clipping": 0.3}, {}),
         ("ckpt_reentrant_frozen", {"ckpt": "reentrant", "freeze_first": True}, {}, {}),
         ("ckpt_non_reentrant", {"ckpt": "non_reentrant"}, {}, {}),
+        ("ckpt_deepspeed_checkpointing", {"ckpt": "deepspeed"}, {}, {"stage3_max_reuse_distance": 0}),
         ("small_buckets_persistent_mix", {}, {},
          {"reduce_bucket_size": 40, "stage3_prefetch_bucket_size": 64, "stage3_max_reuse_distance": 0,
           "stage3_param_persistence_threshold": 20, "overlap_comm": False}),
