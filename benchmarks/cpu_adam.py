@@ -79,7 +79,7 @@ def compiled_adamw(params):
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
         p.sub_(lr * m / (v.sqrt() / bc2_sqrt + eps) / bc1)
 
-    fn = torch.compile(update, dynamic=False)
+    fn = torch.compile(update, dynamic=True)  # one kernel for every tensor size
 
     def run():
         step[0] += 1

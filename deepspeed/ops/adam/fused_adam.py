@@ -57,9 +57,9 @@ def refuse_amsgrad(owner: str, amsgrad) -> None:
             f"with amsgrad, or set amsgrad to false.")
 
 
-def _fused_kernel_ok(p: torch.Tensor, state_dtype: torch.dtype) -> bool:
+def _fused_kernel_ok(p: torch.Tensor) -> bool:
     return (hasattr(torch, "_fused_adamw_") and p.device.type in _FUSED_DEVICES
-            and p.dtype == state_dtype and p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64))
+            and p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64))
 
 
 def adam_foreach(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
@@ -135,7 +135,8 @@ class FusedAdam(torch.optim.Optimizer):
         if len(state) == 0:
             dtype = self._state_dtype(p)
             # A float32 scalar step, like torch.optim.Adam, so checkpoints interchange.
-            state["step"] = torch.zeros((), dtype=torch.float32)
+            # (kept on the parameter's device, where the fused kernels read it)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             state["exp_avg"] = self._new_state_tensor(p, dtype)
             state["exp_avg_sq"] = self._new_state_tensor(p, dtype)
         return state
@@ -173,26 +174,24 @@ class FusedAdam(torch.optim.Optimizer):
             self._update(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                          [s["exp_avg_sq"] for s in states], steps, **args)
 
-    def _update(self, params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
-                bias_correction) -> None:
-        """One pass over a bucket of same-device, same-dtype parameters."""
-        p0 = params[0]
-        fused_ok = _fused_kernel_ok(p0, exp_avgs[0].dtype) and grads[0].dtype == p0.dtype
-        if fused_ok and (bias_correction or max(beta1, beta2) < 1.0):
+    def _update(self, params, grads, exp_avgs, exp_avg_sqs, steps, **hp) -> None:
+        """One bucket of same-device, same-dtype parameters; moments may be wider (fp32)."""
+        in_state_dtype(params, grads, exp_avgs[0].dtype,
+                       lambda ps, gs: self._update_same_dtype(ps, gs, exp_avgs, exp_avg_sqs, steps, **hp))
+
+    def _update_same_dtype(self, params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
+                           weight_decay, bias_correction) -> None:
+        device = params[0].device
+        if _fused_kernel_ok(params[0]) and (bias_correction or max(beta1, beta2) < 1.0):
             if bias_correction:
-                kernel_steps = steps
+                kernel_steps = [s if s.device == device else s.to(device) for s in steps]
             else:
-                fake = torch.full((), _NO_BIAS_CORRECTION_STEP, dtype=torch.float32, device=steps[0].device)
+                fake = torch.full((), _NO_BIAS_CORRECTION_STEP, dtype=torch.float32, device=device)
                 kernel_steps = [fake] * len(params)
             kernel = torch._fused_adamw_ if self.adam_w_mode else torch._fused_adam_
             kernel(params, grads, exp_avgs, exp_avg_sqs, [], kernel_steps, lr=lr, beta1=beta1, beta2=beta2,
                    weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
             return
-        self._update_foreach(params, grads, exp_avgs, exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
-                             eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-
-    def _update_foreach(self, params, grads, exp_avgs, exp_avg_sqs, steps, **hp) -> None:
-        step_values = [float(s) for s in steps]
-        in_state_dtype(params, grads, exp_avgs[0].dtype,
-                       lambda ps, gs: adam_foreach(ps, gs, exp_avgs, exp_avg_sqs, step_values,
-                                                   adam_w_mode=self.adam_w_mode, **hp))
+        adam_foreach(params, grads, exp_avgs, exp_avg_sqs, [float(s) for s in steps], lr=lr, beta1=beta1,
+                     beta2=beta2, eps=eps, weight_decay=weight_decay, adam_w_mode=self.adam_w_mode,
+                     bias_correction=bias_correction)
