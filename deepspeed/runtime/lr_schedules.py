@@ -481,6 +481,9 @@ def validate_scheduler_config(type_name: Any, params: Any) -> str:
     if name in _CLASSES:
         check_scheduler_params(name, params)
         return name
+    if name == "ReduceLROnPlateau":
+        raise DeepSpeedConfigError("scheduler.type 'ReduceLROnPlateau' needs a metric at every step, which the "
+                                   "engine cannot supply; create it yourself and call step(metric) in your loop.")
     _check_torch_scheduler_params(name, params)
     dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3, momentum=0.9)
     try:

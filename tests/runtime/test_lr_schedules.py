@@ -262,6 +262,7 @@ def test_build_from_config_case_insensitive_and_torch_by_name():
     ("StepLR", {"step": 2}, ["scheduler.params.step is not a parameter of torch.optim.lr_scheduler.StepLR"]),
     ("StepLR", {}, ["scheduler 'StepLR' rejected scheduler.params", "step_size"]),
     ("WarmupLR", [1, 2], ["scheduler.params must be a dictionary"]),
+    ("ReduceLROnPlateau", {}, ["needs a metric at every step"]),
 ])
 def test_config_errors_name_the_key(type_name, params, fragments):
     with pytest.raises(DeepSpeedConfigError) as exc:
