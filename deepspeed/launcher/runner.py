@@ -164,8 +164,14 @@ def resolve_resources(args) -> "OrderedDict[str, List[int]]":
 # --------------------------------------------------------------------------- running
 def _launch_locally(args, world_info: str, node_rank: int, env: Dict[str, str]) -> int:
     from . import launch
+    port = args.master_port
+    if port == 0:  # one node: 0 means "any free port"
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     argv = [f"--world_info={world_info}", f"--node_rank={node_rank}",
-            f"--master_addr={args.master_addr}", f"--master_port={args.master_port}"]
+            f"--master_addr={args.master_addr}", f"--master_port={port}"]
     for flag in ("no_local_rank", "module", "no_python"):
         if getattr(args, flag):
             argv.append(f"--{flag}")
