@@ -104,7 +104,10 @@ class DeepSpeedEngine(torch.nn.Module):
         elif cfg.optimizer is not None:
             from .optimizers import build_optimizer
             opt_type, opt_params = cfg.optimizer.type, cfg.optimizer.params
-            factory = lambda groups_: build_optimizer(opt_type, opt_params, groups_)  # noqa: E731
+            # With optimizer offload the update runs in host memory: the CPU kernels.
+            offload = cfg.zero.offload_optimizer_device == "cpu"
+            factory = lambda groups_: build_optimizer(opt_type, opt_params, groups_,  # noqa: E731
+                                                      cpu_offload=offload)
         ctx = StrategyContext(config=cfg, dp_group=self.dp_group, dp_world_size=self.dp_world_size,
                               dp_rank=self.dp_rank, mpu=mpu, device=self.device, timers=self.timers,
                               param_groups=_normalize_param_groups(model, model_parameters),
@@ -373,6 +376,9 @@ class DeepSpeedEngine(torch.nn.Module):
         """Write the full module state dict (16-bit when training in 16-bit) from rank 0."""
         import os
         from .checkpoint.io import atomic_torch_save
+        allowed = getattr(self.strategy, "check_16bit_model_save", None)  # stage 3: the gather config key
+        if allowed is not None and not allowed():
+            return False
         sd = self.strategy.module_state_dict()  # collective at stage 3
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
