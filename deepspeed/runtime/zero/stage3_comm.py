@@ -76,6 +76,9 @@ class CheckedComm:
         self.world_size = dist.get_world_size(group) if self.active else 1
         self.rank = dist.get_rank(group) if self.active else 0
         self.header_group = _header_group(group) if self.active else None
+        # gloo's tensor-in/tensor-out reduce-scatter is about 2x slower than its list form
+        # (measured: 8.4M floats, 2 ranks: 60 ms vs 35 ms); NCCL prefers the tensor form.
+        self.list_reduce_scatter = self.active and dist.get_backend(group) == "gloo"
         self.seq = 0
         self.names = {}        # ds_id -> parameter name, for error messages
 
@@ -127,6 +130,8 @@ class CheckedComm:
         if not self.active:
             out.copy_(inp.reshape(out.shape))
             return None
+        if self.list_reduce_scatter:
+            return dist.reduce_scatter(out, list(inp.chunk(self.world_size)), group=self.group, async_op=async_op)
         return _reduce_scatter_1(out, inp, group=self.group, async_op=async_op)
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM):

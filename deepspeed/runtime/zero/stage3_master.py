@@ -107,7 +107,8 @@ class MasterPartitions:
 
     def accumulate(self, p, reduced: torch.Tensor) -> None:
         c, off, s = self.slot[id(p)]
-        c.grad[off:off + s].add_(reduced.to(device=c.grad.device, dtype=c.grad.dtype, non_blocking=True))
+        # blocking: a non-blocking device-to-host copy could be read before it lands
+        c.grad[off:off + s].add_(reduced.to(device=c.grad.device, dtype=c.grad.dtype))
 
     def zero_grads(self) -> None:
         for c in self.chunks:
