@@ -45,6 +45,18 @@ from .inner_optimizer import build_inner_optimizer, user_param_groups
 from .loss_scaler import create_loss_scaler, warn_stuck_at_min_scale
 
 _ACCUM = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_HUGE_MIN_BYTES = 4 << 20
+
+
+def _scratch_fp32(numel: int, device) -> torch.Tensor:
+    """The step's transient fp32 gradient. On the host, large ones are backed by 2 MiB huge
+    pages before first touch: a fresh 4 KiB-paged block is page-faulted in on every step
+    (the allocator returns it to the OS), measured 4x slower than the copy into it."""
+    t = torch.empty(numel, dtype=torch.float32, device=device)
+    if t.device.type == "cpu" and numel * 4 >= _HUGE_MIN_BYTES:
+        from ...ops.adam.cpu_adam import _madvise_hugepages
+        _madvise_hugepages(t)
+    return t
 
 
 class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimizer):
@@ -169,10 +181,25 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
                 view.copy_(s.param.detach().reshape(-1))
                 s.param.data = view.view(s.shape)
             self.param_flats.append(flat)
-            if m is not None:
-                self.opt_tensors.append([m])
-            else:  # fp32 in place: the master is this rank's chunks of the parameter buffer
-                self.opt_tensors.append([flat[slice(*b.chunk_range(self.part_rank))] for b in lay.buckets])
+        self._segment_masters()
+
+    def _segment_masters(self):
+        """The tensors the optimizer steps, and which of them holds each fragment: the one
+        flat master of the group, or (fp32 in place) this rank's chunk of each bucket of
+        the parameter buffer."""
+        self.segments, self.opt_tensors, self._frag_seg = [], [], {}
+        for g, (lay, frags, m) in enumerate(zip(self.layouts, self.fragments, self.masters)):
+            if m is None:
+                segs = [(b.part_start, b.part_start + b.chunk) for b in lay.buckets]
+                self.opt_tensors.append([self.param_flats[g][slice(*b.chunk_range(self.part_rank))]
+                                         for b in lay.buckets])
+            else:
+                segs = [(0, lay.part_numel)] if lay.part_numel else []
+                self.opt_tensors.append([m] if segs else [])
+            self.segments.append(segs)
+            for f in frags:
+                k = next(i for i, (a, b) in enumerate(segs) if a <= f.part_offset < b)
+                self._frag_seg[id(f)] = (k, f.part_offset - segs[k][0])
 
     def _build_gradient_storage(self):
         self.grad_bufs, self.part_grads, self._grad_views = [], [], {}
@@ -310,25 +337,30 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
     def _attach_master_grads(self) -> List[torch.Tensor]:
         grads = []
         for g, (lay, m) in enumerate(zip(self.layouts, self.masters)):
-            chunks = self._grad_chunks(g)
-            if m is None:
-                for t, c in zip(self.opt_tensors[g], chunks):
+            if m is None:  # fp32 in place: the reduced chunks are the gradients, no copy
+                for t, c in zip(self.opt_tensors[g], self._grad_chunks(g)):
                     t.grad = c
                     grads.append(c)
                 continue
             whole = self.part_grads[g] if self.partition_grads else (self.grad_bufs[g] if self.n_parts == 1 else None)
-            if whole is not None and whole.dtype == torch.float32 and whole.device == m.device:
-                m.grad = whole
-            else:
-                g32 = torch.empty(lay.part_numel, dtype=torch.float32, device=m.device)
-                if whole is not None:
-                    g32.copy_(whole)
+            for t, (a, b) in zip(self.opt_tensors[g], self.segments[g]):
+                if whole is not None and whole.dtype == torch.float32 and whole.device == m.device:
+                    t.grad = whole.narrow(0, a, b - a)
                 else:
-                    for b, c in zip(lay.buckets, chunks):
-                        g32.narrow(0, b.part_start, b.chunk).copy_(c)
-                m.grad = g32
-            grads.append(m.grad)
+                    t.grad = _scratch_fp32(b - a, m.device)
+                    self._copy_partition_grads(g, a, b, whole, t.grad)
+                grads.append(t.grad)
         return grads
+
+    def _copy_partition_grads(self, g, a, b, whole, out):
+        """Reduced gradients of partition range ``[a, b)`` into ``out`` (cast, maybe to the host)."""
+        if whole is not None:
+            out.copy_(whole.narrow(0, a, b - a))
+            return
+        for bk, chunk in zip(self.layouts[g].buckets, self._grad_chunks(g)):
+            lo, hi = max(a, bk.part_start), min(b, bk.part_start + bk.chunk)
+            if lo < hi:
+                out.narrow(0, lo - a, hi - lo).copy_(chunk.narrow(0, lo - bk.part_start, hi - lo))
 
     def _detach_master_grads(self):
         for ts in self.opt_tensors:

@@ -38,10 +38,8 @@ class FlatStateMixin:
     # ------------------------------------------------------------------ where a fragment lives
     def _master_at(self, g, f):
         """(tensor, offset) of fragment ``f`` in the optimizer tensor that holds it."""
-        if self.masters[g] is not None:
-            return self.masters[g], f.part_offset
-        b = f.slot.bucket
-        return self.opt_tensors[g][b.index], f.part_offset - b.part_start
+        k, off = self._frag_seg[id(f)]
+        return self.opt_tensors[g][k], off
 
     def _slot_and_fragment(self, param):
         if not hasattr(self, "_by_param"):
@@ -220,7 +218,6 @@ class FlatStateMixin:
     def _require_state(self, param, key):
         local = self._local(param, "state", key)
         if local is None:
-            raise KeyError(f"optimizer state '{key}' does not exist (yet) for this parameter; it has "
-                           f"{sorted(self.state.get(self._master_at(*self._slot_and_fragment(param)[::2])[0], {}))}. "
+            raise KeyError(f"optimizer state '{key}' does not exist (yet) for this parameter. "
                            f"Optimizer state is created by the first optimizer step.")
         return local

@@ -72,17 +72,21 @@ def test_master_weights_fp32_and_bytes_per_param(prec, accum, bytes_per_param):
     engine = _engine(cfg)
     _train(engine, _task(2), prec)
     opt = engine.optimizer
-    assert engine.skipped_steps == 0 and len(opt.state) == len(opt.masters)
+    assert engine.skipped_steps == 0 and len(opt.state) == len(inner_params_of(opt))
     assert all(p.dtype == CAST[prec] for p in engine.module.parameters())
     assert all(m.dtype == torch.float32 for m in opt.masters)
     inner_params = [p for g in opt.param_groups for p in g["params"]]
-    assert inner_params == opt.masters                  # the optimizer steps the flat fp32 masters
+    assert inner_params == opt.masters                  # the optimizer steps the one flat fp32 master
     assert all(v.dtype == torch.float32 for st in opt.state.values() for v in st.values() if v.dim() > 0)
     n_params = sum(p.numel() for p in engine.module.parameters())
     tensors = list(engine.module.parameters()) + opt.grad_bufs + opt.masters + \
         [v for st in opt.state.values() for v in st.values() if v.dim() > 0]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     assert sum(storages.values()) / n_params == bytes_per_param
+
+
+def inner_params_of(opt):
+    return [p for g in opt.param_groups for p in g["params"]]
 
 
 def test_static_scale_and_unscaled_gradients():
