@@ -89,7 +89,7 @@ class ParameterCoordinator:
 
     # -- step boundaries -------------------------------------------------------------------
     def new_step(self) -> None:
-        """Start of a forward driven by the engine: adopt what was recorded as the trace."""
+        """Start of a top-level forward: adopt what was recorded since the last one as the trace."""
         if self.recording:
             self.trace = self.recording
             self.positions, self.prefix = {}, [0]
@@ -188,6 +188,8 @@ class ParameterCoordinator:
 
     # -- hooks -----------------------------------------------------------------------------
     def _pre_forward(self, module, args):
+        if module is self.module and not _in_backward():
+            self.new_step()   # also a step boundary for forwards that bypass the engine (generation)
         params = module_params_to_fetch(module)
         if not params:
             return None

@@ -92,9 +92,11 @@ def stage3_config(gas=1, mb=2, **zero):
 
 
 def train_engine(model, config, batches, rank, world_size, lr, weight_decay=0.0):
-    """Train with deepspeed.initialize on this rank's shard of each global batch; returns the engine."""
+    """Train with deepspeed.initialize on this rank's shard of each global batch; returns the engine.
+    Uses a client torch AdamW unless the config has an "optimizer" section."""
     import deepspeed
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    opt = None if "optimizer" in config else \
+        torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
     eng, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     gas, mb = config["gradient_accumulation_steps"], config["train_micro_batch_size_per_gpu"]
     for b in batches:

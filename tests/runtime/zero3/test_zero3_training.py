@@ -25,6 +25,9 @@ def _scenarios_ws2():
           "stage3_param_persistence_threshold": 20, "overlap_comm": False}),
         ("offload_param_and_optimizer", {}, {"gradient_clipping": 0.3},
          {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}),
+        # the config's optimizer: DeepSpeedCPUAdam runs the offloaded update
+        ("offload_optimizer_cpu_adam", {}, {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}},
+         {"offload_optimizer": {"device": "cpu"}}),
         ("bf16", {}, {"bf16": {"enabled": True}}, {}),
         ("fp16", {}, {"fp16": {"enabled": True, "initial_scale_power": 8}}, {}),
     ]
@@ -48,7 +51,7 @@ def _run(rank, world_size, scenarios):
         eng = train_engine(make_lm(seed=0, **model_kw), cfg, lm_batches(STEPS, GAS * MB * world_size),
                            rank, world_size, lr=LR)
         sd = eng.module_state_dict()
-        out[name] = {"sd": {k: v.float() for k, v in sd.items()},
+        out[name] = {"sd": {k: v.float() for k, v in sd.items()}, "optimizer": type(eng.optimizer).__name__,
                      "released": all(p.ds_persist or p.ds_status.name == "NOT_AVAILABLE"
                                      for p in eng.module.parameters()),
                      "local_numel": sum(p.ds_tensor.numel() for p in eng.module.parameters()),
@@ -90,6 +93,7 @@ def test_stage3_matches_plain_pytorch_world2():
     res = run_distributed(_run, 2, args=(sc,), timeout=150)
     assert _check(res, sc, 2)
     assert res[0]["fp32_gas2_clip"]["prefetches"] > 0, "the recorded trace should drive prefetching"
+    assert res[0]["offload_optimizer_cpu_adam"]["optimizer"] == "DeepSpeedCPUAdam"
 
 
 def test_stage3_matches_plain_pytorch_world4():
