@@ -480,3 +480,6 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for s in self.slots:
+            if getattr(s.param, "_ds_state_owner", None) is self:
+                del s.param._ds_state_owner
