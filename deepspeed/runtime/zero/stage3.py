@@ -76,7 +76,8 @@ class DeepSpeedZeroOptimizer_Stage3(TrainingStrategy):  # noqa: N801 - DeepSpeed
         self.reducer = GradReducer(self.comm, z.reduce_bucket_size, self.parts.accumulate,
                                    overlap=z.overlap_comm is not False,
                                    comm_dtype=_comm_dtype(cfg.model.communication_data_type),
-                                   predivide=cfg.model.gradient_predivide_factor)
+                                   predivide=cfg.model.gradient_predivide_factor,
+                                   max_columns=sum(c.numel for c in self.parts.chunks))
         self.coordinator = ParameterCoordinator(module, z.prefetch_bucket_size, z.max_live_parameters,
                                                 z.max_reuse_distance)
         seen = set()

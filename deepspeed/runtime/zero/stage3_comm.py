@@ -126,13 +126,14 @@ class CheckedComm:
             return None
         return _all_gather_1(out, inp, group=self.group, async_op=async_op)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+    def reduce_scatter_rows(self, out: torch.Tensor, rows: torch.Tensor, async_op: bool = False):
+        """Sum over ranks of ``rows[r]`` lands in ``out`` on rank ``r`` (rows may be strided views)."""
         if not self.active:
-            out.copy_(inp.reshape(out.shape))
+            out.copy_(rows[0])
             return None
         if self.list_reduce_scatter:
-            return dist.reduce_scatter(out, list(inp.chunk(self.world_size)), group=self.group, async_op=async_op)
-        return _reduce_scatter_1(out, inp, group=self.group, async_op=async_op)
+            return dist.reduce_scatter(out, list(rows.unbind(0)), group=self.group, async_op=async_op)
+        return _reduce_scatter_1(out, rows.contiguous().view(-1), group=self.group, async_op=async_op)
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM):
         if self.active:

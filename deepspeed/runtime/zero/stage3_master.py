@@ -26,7 +26,7 @@ _FP32 = torch.float32
 
 
 class Chunk:
-    __slots__ = ("group", "params", "offsets", "sizes", "numel", "lp", "master", "grad")
+    """Whole partitions of some parameters of one optimizer group, and their flat tensors."""
 
     def __init__(self, group: int, params):
         self.group = group
