@@ -29,6 +29,7 @@ VARIANTS = {  # ws=2 only: each must still equal the reference exactly like its 
     "s1_reduce": (ds_config(1, 2, MB, reduce_scatter=False), "sgd"),
     "s2_config_adamw_offload": (dict(ds_config(2, 2, MB, offload_optimizer={"device": "cpu"}),
                                      optimizer={"type": "AdamW", "params": {"lr": 0.01}}), "adamw"),
+    "s0_bf16": (ds_config(0, 2, MB, "bf16"), "sgd"),      # stage 0 in 16 bits: flat masters, all-reduce
 }
 
 
@@ -50,7 +51,8 @@ def _body(rank, world_size, with_variants):
     if with_variants:
         for name, (cfg, opt) in VARIANTS.items():
             engine = build_engine(cfg, opt_name=opt)
-            run_steps(engine, rank, world_size, global_batches(N_STEPS, MB * 2 * world_size))
+            run_steps(engine, rank, world_size, global_batches(N_STEPS, MB * 2 * world_size),
+                      "bf16" if "bf16" in cfg else "fp32")
             out[name] = _result(engine)
             engine.destroy()
     return out
@@ -97,3 +99,8 @@ def test_zero12_matches_plain_pytorch(world_size):
     assert r["s2_config_adamw_offload"]["inner"] == "DeepSpeedCPUAdam"
     for pname, want in ref_adam.items():
         torch.testing.assert_close(r["s2_config_adamw_offload"]["fp32"][pname], want, rtol=1e-5, atol=1e-6)
+    # stage 0 in bf16: one all-reduce per bucket per optimizer step, nothing else
+    s0 = r["s0_bf16"]
+    assert s0["counts"] == {"all_reduce": s0["n_buckets"] * N_STEPS} and s0["n_buckets"] > 1
+    for pname, want in ref.items():
+        torch.testing.assert_close(s0["fp32"][pname], want, **TOL["bf16"], msg=f"s0_bf16 {pname}")
