@@ -8,8 +8,8 @@ gradient exists outside the buckets. A bucket holds at most ``reduce_bucket_size
 elements (``cap = reduce_bucket_size / N`` columns, never more than the trainable
 parameters need); when the next slice does not fit, the bucket is reduce-scattered
 asynchronously (its rows are the per-rank inputs, so no re-layout copy is needed)
-and a new one opens. At most two buckets are in flight, which bounds the transient
-memory by twice the bucket size. Each rank receives its averaged slice of every
+and a new one opens. One bucket reduces while the next fills, which bounds the
+transient memory by twice the bucket size (plus the received slices). Each rank receives its averaged slice of every
 parameter of the bucket and hands it to ``sink(param, slice)``.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from .stage3_comm import KIND_REDUCE, CheckedComm
 
-_MAX_INFLIGHT = 2
+_MAX_INFLIGHT = 1   # one bucket reducing while the next fills (2 was not faster on CPU; more memory)
 
 
 class _Bucket:
