@@ -263,8 +263,13 @@ class FragmentIndex:
         return {n: i for i, g in enumerate(self.param_groups) for n in g["params"]}
 
 
+# implementation switches of torch optimizers, not hyperparameters: the live optimizer keeps its own
+_IMPL_KEYS = {"params", "foreach", "fused", "capturable", "differentiable"}
+
+
 def apply_group_hyperparameters(saved_groups: List[dict], param_groups: List[dict], where: str) -> None:
-    """Copy the saved hyperparameters (lr, betas, ...) into live ``param_groups``."""
+    """Copy the saved hyperparameters (lr, betas, ...) into live ``param_groups``: the keys the
+    live optimizer knows, so a checkpoint from another optimizer class or kernel choice loads."""
     if len(saved_groups) != len(param_groups):
         raise CheckpointError(
             f"{where}: the checkpoint has {len(saved_groups)} optimizer parameter groups but this "
@@ -272,7 +277,7 @@ def apply_group_hyperparameters(saved_groups: List[dict], param_groups: List[dic
             f"or pass load_optimizer_states=False.")
     for saved, live in zip(saved_groups, param_groups):
         for k, v in saved.items():
-            if k != "params":
+            if k in live and k not in _IMPL_KEYS:
                 live[k] = v
 
 

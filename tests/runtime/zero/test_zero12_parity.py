@@ -30,6 +30,8 @@ VARIANTS = {  # ws=2 only: each must still equal the reference exactly like its 
     "s2_config_adamw_offload": (dict(ds_config(2, 2, MB, offload_optimizer={"device": "cpu"}),
                                      optimizer={"type": "AdamW", "params": {"lr": 0.01}}), "adamw"),
     "s0_bf16": (ds_config(0, 2, MB, "bf16"), "sgd"),      # stage 0 in 16 bits: flat masters, all-reduce
+    "s2_bf16_accum_fp32": (dict(ds_config(2, 2, MB, "bf16"), data_types={"grad_accum_dtype": "fp32"}), "sgd"),
+    "s1_fp16": (ds_config(1, 2, MB, "fp16"), "sgd"),
 }
 
 
@@ -52,7 +54,7 @@ def _body(rank, world_size, with_variants):
         for name, (cfg, opt) in VARIANTS.items():
             engine = build_engine(cfg, opt_name=opt)
             run_steps(engine, rank, world_size, global_batches(N_STEPS, MB * 2 * world_size),
-                      "bf16" if "bf16" in cfg else "fp32")
+                      "bf16" if "bf16" in cfg else "fp16" if "fp16" in cfg else "fp32")
             out[name] = _result(engine)
             engine.destroy()
     return out
@@ -104,3 +106,7 @@ def test_zero12_matches_plain_pytorch(world_size):
     assert s0["counts"] == {"all_reduce": s0["n_buckets"] * N_STEPS} and s0["n_buckets"] > 1
     for pname, want in ref.items():
         torch.testing.assert_close(s0["fp32"][pname], want, **TOL["bf16"], msg=f"s0_bf16 {pname}")
+    # fp32 gradient accumulation at stage 2 (bf16 model) and fp16 with loss scaling at stage 1
+    for name in ("s2_bf16_accum_fp32", "s1_fp16"):
+        for pname, want in ref.items():
+            torch.testing.assert_close(r[name]["fp32"][pname], want, **TOL["bf16"], msg=f"{name} {pname}")
