@@ -78,13 +78,11 @@ class GroupLayout:
             raise ValueError(f"n_parts must be >= 1, got {n_parts}")
         self.group = group_index
         self.n_parts = n_parts
-        self.slots = [Slot(p, n, group_index, p.numel(), p.shape) for p, n in zip(params, names)]
+        self.slots = [Slot(p, n, group_index, p.numel(), p.shape) for p, n in zip(params, names) if p.numel()]
         self.buckets: List[Bucket] = []
         cur: List[Slot] = []
         cur_n = 0
         for s in reversed(self.slots):  # backward produces gradients roughly in reverse order
-            if s.numel == 0:
-                continue
             cur.append(s)
             cur_n += s.numel
             if cur_n >= bucket_size:

@@ -102,8 +102,8 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
         self.grad_dtype = _ACCUM[accum] if accum else self.dtype
         if self.grad_dtype not in (torch.float32, self.dtype):
             raise DeepSpeedConfigError(
-                f"data_types.grad_accum_dtype '{accum}' does not fit training in {self.dtype}: use 'fp32' or "
-                f"the training dtype ('{'fp16' if self.dtype == torch.float16 else 'bf16'}').")
+                f"data_types.grad_accum_dtype '{accum}' does not fit training in "
+                f"{ {v: k for k, v in _ACCUM.items()}[self.dtype]}: use 'fp32' or the training dtype.")
         self.comm_dtype = _comm_dtype(cfg.model.communication_data_type) or self.grad_dtype
         self.world = ctx.dp_world_size
         self.rank = ctx.dp_rank
@@ -136,8 +136,8 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
             for p in g["params"]:
                 if not isinstance(p, torch.Tensor):
                     raise TypeError(f"param group {gi} holds a {type(p).__name__}, not a tensor.")
-                if not p.requires_grad:
-                    continue  # frozen: stays in the module, never in a flat buffer
+                if not p.requires_grad or p.numel() == 0:
+                    continue  # frozen (or empty): stays in the module, never in a flat buffer
                 if id(p) not in names:
                     raise ValueError(f"param group {gi} holds a parameter of shape {tuple(p.shape)} that is not "
                                      f"a parameter of the model passed to deepspeed.initialize.")
@@ -448,8 +448,7 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
         inflight, n_inflight = [], 0
         for b in self.buckets:
             region = self.param_flats[b.group].narrow(0, b.flat_start, b.region_numel(self.n_parts))
-            mine = region.narrow(0, self.part_rank * b.chunk, b.chunk)
-            inflight.append((self.comm.all_gather(region, mine), region.numel()))
+            inflight.append((self.comm.all_gather_inplace(region, b.chunk), region.numel()))
             n_inflight += region.numel()
             while n_inflight > self.allgather_bucket_size and len(inflight) > 1:
                 w, n = inflight.pop(0)

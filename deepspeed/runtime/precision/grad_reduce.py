@@ -45,11 +45,24 @@ def _late(slot: Slot) -> LateGradientError:
 
 
 class _Comm:
+    """The collectives of the flat strategies, counted by kind.
+
+    Reduce-scatter and all-gather work in place on a region of ``N`` equal chunks (the
+    rank's chunk is ``region[r*c:(r+1)*c]``). On gloo both are carried by all-reduce:
+    gloo's own reduce-scatter and all-gather measured 1.7x and 1.3x slower than its
+    ring all-reduce of the whole region (8.4M fp32 at 2 ranks: 36 and 27 ms vs 21 ms),
+    and the region is already whole in memory either way. All-gather by all-reduce is
+    exact: every rank zeroes the chunks it does not own first, so each element is
+    one value plus zeros. NCCL uses the native collectives.
+    """
+
     def __init__(self, group, world_size: int, rank: int):
         self.group = group
         self.world = world_size
         self.rank = rank
         self.launches: Counter = Counter()
+        self.via_all_reduce = (world_size > 1 and dist.is_initialized()
+                               and dist.get_backend(group) == "gloo")
 
     def global_rank(self, r: int) -> int:
         if self.group is None or self.group is dist.group.WORLD:
@@ -60,13 +73,24 @@ class _Comm:
         self.launches["all_reduce"] += 1
         return [dist.all_reduce(t, group=self.group, async_op=True)]
 
-    def reduce_scatter(self, out, inp):
+    def reduce_scatter_inplace(self, region, chunk: int):
+        """Sum ``region`` across ranks into this rank's chunk of it."""
         self.launches["reduce_scatter"] += 1
-        return [_reduce_scatter_single(out, inp, group=self.group, async_op=True)]
+        if self.via_all_reduce:
+            return [dist.all_reduce(region, group=self.group, async_op=True)]
+        mine = region.narrow(0, self.rank * chunk, chunk)
+        return [_reduce_scatter_single(mine, region, group=self.group, async_op=True)]
 
-    def all_gather(self, out, inp):
+    def all_gather_inplace(self, region, chunk: int):
+        """Every rank's chunk of ``region`` onto every rank."""
         self.launches["all_gather"] += 1
-        return _all_gather_single(out, inp, group=self.group, async_op=True)
+        mine = region.narrow(0, self.rank * chunk, chunk)
+        if self.via_all_reduce:
+            if self.rank > 0:
+                region.narrow(0, 0, self.rank * chunk).zero_()
+            region.narrow(0, (self.rank + 1) * chunk, region.numel() - (self.rank + 1) * chunk).zero_()
+            return dist.all_reduce(region, group=self.group, async_op=True)
+        return _all_gather_single(region, mine, group=self.group, async_op=True)
 
     def reduce_to_owners(self, inp, chunk: int):
         works = []
@@ -147,8 +171,7 @@ class FullGradReducer(_InOrderLauncher):
         elif self.mode == "all_reduce":
             works = self.comm.all_reduce(send)
         elif self.mode == "reduce_scatter":
-            r, c = self.comm.rank, b.chunk
-            works = self.comm.reduce_scatter(send[r * c:(r + 1) * c], send)
+            works = self.comm.reduce_scatter_inplace(send, b.chunk)
         else:
             works = self.comm.reduce_to_owners(send, b.chunk)
         self.pending.append((b, works, send))
@@ -216,12 +239,10 @@ class PartitionGradReducer(_InOrderLauncher):
         r, c = self.comm.rank, b.chunk
         if self.comm.world == 1:
             works, out = [], buf
-        elif self.use_reduce_scatter:
-            out = torch.empty(c, dtype=buf.dtype, device=buf.device)
-            works = self.comm.reduce_scatter(out, buf)
         else:
             out = buf[r * c:(r + 1) * c]
-            works = self.comm.reduce_to_owners(buf, c)
+            works = (self.comm.reduce_scatter_inplace(buf, c) if self.use_reduce_scatter
+                     else self.comm.reduce_to_owners(buf, c))
         self.pending.append((b, works, out))
         if len(self.pending) > self.max_inflight:
             self._complete(self.pending.pop(0))

@@ -32,6 +32,9 @@ VARIANTS = {  # ws=2 only: each must still equal the reference exactly like its 
     "s0_bf16": (ds_config(0, 2, MB, "bf16"), "sgd"),      # stage 0 in 16 bits: flat masters, all-reduce
     "s2_bf16_accum_fp32": (dict(ds_config(2, 2, MB, "bf16"), data_types={"grad_accum_dtype": "fp32"}), "sgd"),
     "s1_fp16": (ds_config(1, 2, MB, "fp16"), "sgd"),
+    # gloo's reduce-scatter/all-gather (what NCCL runs) instead of carrying them by all-reduce
+    "s1_native_collectives": (ds_config(1, 2, MB), "sgd"),
+    "s2_native_collectives": (ds_config(2, 2, MB), "sgd"),
 }
 
 
@@ -53,6 +56,9 @@ def _body(rank, world_size, with_variants):
     if with_variants:
         for name, (cfg, opt) in VARIANTS.items():
             engine = build_engine(cfg, opt_name=opt)
+            if "native" in name:
+                assert engine.optimizer.comm.via_all_reduce     # the gloo default
+                engine.optimizer.comm.via_all_reduce = False
             run_steps(engine, rank, world_size, global_batches(N_STEPS, MB * 2 * world_size),
                       "bf16" if "bf16" in cfg else "fp16" if "fp16" in cfg else "fp32")
             out[name] = _result(engine)
@@ -91,7 +97,8 @@ def test_zero12_matches_plain_pytorch(world_size):
     r = res[0]
     nb = r["offload_s1"]["n_buckets"]
     # offload (master, grads and optimizer state on the host) gives the same parameters
-    for name in ("offload_s1", "offload_s2", "s2_sync_reduce_noncontig", "s1_reduce"):
+    for name in ("offload_s1", "offload_s2", "s2_sync_reduce_noncontig", "s1_reduce", "s1_native_collectives",
+                 "s2_native_collectives"):
         for pname, want in ref.items():
             torch.testing.assert_close(r[name]["fp32"][pname], want, **TOL["fp32"], msg=f"{name} {pname}")
     # reduce_scatter: false -> one reduce per owner rank per bucket
