@@ -31,6 +31,7 @@ from .parameter_offload import ParameterCoordinator
 from .partitioned_param import (PartitionSpec, ZeroParamStatus, convert_param, gather_params, is_zero_param,
                                 release_param)
 from .stage3_comm import KIND_GATHER, KIND_STEP, comm_for
+from .stage3_fragments import Stage3StateAccess
 from .stage3_grads import GradReducer
 from .stage3_master import MasterPartitions
 from .stage3_state_dict import gather_module_state_dict, load_full_state_dict
@@ -45,7 +46,7 @@ def _comm_dtype(name):
     return comm_dtype(name)
 
 
-class DeepSpeedZeroOptimizer_Stage3(TrainingStrategy):  # noqa: N801 - DeepSpeed's name
+class DeepSpeedZeroOptimizer_Stage3(Stage3StateAccess, TrainingStrategy):  # noqa: N801 - DeepSpeed's name
     """ZeRO stage 3 for fp32, fp16 and bf16 training (see the module docstring)."""
 
     stage = 3
@@ -88,6 +89,10 @@ class DeepSpeedZeroOptimizer_Stage3(TrainingStrategy):  # noqa: N801 - DeepSpeed
                 self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self.gather_16bit_on_save = bool(z.gather_16bit_weights_on_model_save)
         self.last_grad_norm = None
+        self._persistent_stale = False
+        for c in self.parts.chunks:
+            for p in c.params:
+                p._ds_state_owner = self   # deepspeed.utils.safe_get_full_fp32_param & co.
 
     # -- construction ------------------------------------------------------------------------
     def _partition_module(self, z) -> None:
@@ -186,6 +191,9 @@ class DeepSpeedZeroOptimizer_Stage3(TrainingStrategy):  # noqa: N801 - DeepSpeed
 
     # -- forward / backward ----------------------------------------------------------------
     def pre_forward(self) -> None:
+        if self._persistent_stale:   # set_local_fp32_param changed a parameter kept whole
+            self._persistent_stale = False
+            self.refresh_persistent()
         self.coordinator.new_step()
 
     def _on_grad(self, p) -> None:
@@ -347,11 +355,19 @@ class DeepSpeedZeroOptimizer_Stage3(TrainingStrategy):  # noqa: N801 - DeepSpeed
         out["total"] = sum(out.values())
         return out
 
+    def write_checkpoint_extras(self, writer) -> None:
+        from ..precision.flat_state import ZERO_TO_FP32_SCRIPT
+        writer.write_text("zero_to_fp32.py", ZERO_TO_FP32_SCRIPT)
+
     def destroy(self) -> None:
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []
         self.coordinator.remove()
+        for c in self.parts.chunks:
+            for p in c.params:
+                if getattr(p, "_ds_state_owner", None) is self:
+                    del p._ds_state_owner
 
 
 def is_zero3_param(p) -> bool:

@@ -1,6 +1,6 @@
 """The parameter schedule: parameters are partitioned outside their module's use, the
 forward order may change between steps, external parameters, fp16 overflow skips the
-step on every rank."""
+step on every rank; deepspeed.utils.safe_get_*/safe_set_* on partitioned state."""
 from __future__ import annotations
 
 import torch
@@ -132,6 +132,25 @@ def _body(rank, ws):
     out["fp16"] = {"unchanged": torch.equal(before, eng.strategy.parts.chunks[0].master),
                    "scale": eng.loss_scale, "skipped": eng.skipped_steps}
     eng.destroy()
+
+    # 5. deepspeed.utils.safe_get_* / safe_set_* on partitioned state (collective getters)
+    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
+                                 safe_get_local_fp32_param, safe_set_full_fp32_param)
+    eng = _engine(make_lm(seed=0), stage3_param_persistence_threshold=20)
+    w, bias = eng.module.blocks[0].fc1.weight, eng.module.blocks[0].fc1.bias   # bias is kept whole
+    x, y = shard(lm_batches(1, 2 * ws)[0], rank, ws, 0, 2)
+    eng.backward(eng(x, y))
+    frag = {"grad": safe_get_full_grad(w), "bias_grad": safe_get_full_grad(bias)}
+    eng.step()
+    frag.update(param=safe_get_full_fp32_param(w), exp_avg=safe_get_full_optimizer_state(w, "exp_avg"),
+                local=safe_get_local_fp32_param(w).clone())
+    safe_set_full_fp32_param(bias, torch.full((16,), 3.0))
+    safe_set_full_fp32_param(w, torch.zeros(16, 8))
+    frag["bias_after_set"] = bias.detach().clone()
+    with deepspeed.zero.GatheredParameters([w]):
+        frag["w_after_set"] = w.detach().clone()
+    out["fragments"] = frag
+    eng.destroy()
     return out
 
 
@@ -164,3 +183,20 @@ def test_partitioned_outside_use_reorder_external_and_fp16_overflow():
     for r in res:
         assert r["fp16"]["unchanged"] and r["fp16"]["skipped"] == 1
         assert r["fp16"]["scale"] == 2.0 ** 9
+
+    ref = make_lm(seed=0)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+    x, y = lm_batches(1, 4)[0]
+    ref(x, y).backward()
+    fc1 = ref.blocks[0].fc1
+    for rank, r in enumerate(res):
+        f = r["fragments"]
+        torch.testing.assert_close(f["grad"], fc1.weight.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(f["bias_grad"], fc1.bias.grad, rtol=1e-5, atol=1e-7)
+        if rank == 0:
+            opt.step()
+        torch.testing.assert_close(f["param"], fc1.weight.detach())
+        torch.testing.assert_close(f["exp_avg"], opt.state[fc1.weight]["exp_avg"])
+        torch.testing.assert_close(f["local"], fc1.weight.detach().reshape(-1)[rank * 64:(rank + 1) * 64])
+        assert torch.equal(f["bias_after_set"], torch.full((16,), 3.0))
+        assert torch.equal(f["w_after_set"], torch.zeros(16, 8))

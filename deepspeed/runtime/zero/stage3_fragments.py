@@ -1,0 +1,120 @@
+"""Per-parameter access to stage-3 training state for :mod:`deepspeed.utils.tensor_fragment`
+(``safe_get_full_fp32_param`` and friends).
+
+The stage-3 strategy sets ``param._ds_state_owner`` to itself for every trainable
+parameter; this mixin answers the protocol from the strategy's partitions. A rank's
+*fragment* of a parameter is the elements it owns, padding excluded. ``full_*``
+getters are collective (every data-parallel rank calls them for the same parameter):
+one checked all-gather of the padded partition plus a presence flag.
+"""
+from __future__ import annotations
+
+import torch
+
+from .partitioned_param import ZeroParamStatus, owned_range
+from .stage3_comm import KIND_GATHER
+
+
+class Stage3StateAccess:
+    """Mixed into DeepSpeedZeroOptimizer_Stage3 (needs ``parts``, ``optimizer``, ``comm``, ``spec``)."""
+
+    def _where(self, p):
+        c, off, _ = self.parts.slot[id(p)]
+        lo, hi = owned_range(p)
+        return c, off, hi - lo, lo
+
+    def _local(self, p, what, key=None):
+        if id(p) not in self.parts.slot:
+            return None
+        c, off, k, _ = self._where(p)
+        if k <= 0:
+            return None
+        if what == "fp32":
+            return c.master[off:off + k]
+        if what == "grad":
+            scale = self.scaler.loss_scale if self.fp16 else 1.0
+            return c.grad[off:off + k].float() / scale
+        st = self.optimizer.state.get(c.master, {}) if self.optimizer is not None else {}
+        return st[key][off:off + k] if key in st else None
+
+    def _full(self, p, what, key=None):
+        s = p.ds_tensor.numel()
+        local = self._local(p, what, key)
+        owns = id(p) in self.parts.slot and self._where(p)[2] > 0
+        buf = torch.zeros(s + 1, dtype=torch.float32, device=self.spec.device)
+        if local is not None:
+            buf[:local.numel()].copy_(local)
+        buf[s] = 0.0 if (owns and local is None) else 1.0
+        ws = self.comm.world_size
+        out = torch.empty(ws * (s + 1), dtype=torch.float32, device=buf.device)
+        self.comm.check(KIND_GATHER, [p.ds_id], ws * (s + 1), f"safe_get_full_*({self.comm.describe([p])})")
+        self.comm.all_gather_into(out, buf)
+        rows = out.view(ws, s + 1)
+        if bool((rows[:, s] == 0).any()):
+            return None
+        return rows[:, :s].reshape(-1)[:p.ds_numel].view(p.ds_shape).clone()
+
+    def full_fp32_param(self, p):
+        return self._full(p, "fp32")
+
+    def full_grad(self, p):
+        return self._full(p, "grad")
+
+    def full_optimizer_state(self, p, key):
+        return self._full(p, "state", key)
+
+    def local_fp32_param(self, p):
+        return self._local(p, "fp32")
+
+    def local_grad(self, p):
+        return self._local(p, "grad")
+
+    def local_optimizer_state(self, p, key):
+        return self._local(p, "state", key)
+
+    # -- setters ---------------------------------------------------------------------------
+    def _sync_partition(self, p) -> None:
+        """After this rank's master fragment changed: the param partition follows."""
+        c, off, k, _ = self._where(p)
+        if c.lp is not c.master and k > 0:
+            c.lp[off:off + k].copy_(c.master[off:off + k])
+
+    def set_full_fp32_param(self, p, value):
+        value = value.detach().reshape(-1)
+        if id(p) in self.parts.slot:
+            c, off, k, lo = self._where(p)
+            if k > 0:
+                c.master[off:off + k].copy_(value[lo:lo + k])
+                self._sync_partition(p)
+        if p.ds_persist or p.ds_status == ZeroParamStatus.AVAILABLE:
+            with torch.no_grad():
+                p.data.copy_(value.view(p.ds_shape))
+
+    def set_full_optimizer_state(self, p, key, value):
+        local = self._require_state(p, key)
+        if local is not None:
+            _, _, k, lo = self._where(p)
+            local.copy_(value.detach().reshape(-1)[lo:lo + k])
+
+    def set_local_fp32_param(self, p, value):
+        local = self._local(p, "fp32")
+        if local is None:
+            return
+        local.copy_(value.reshape(-1))
+        self._sync_partition(p)
+        if p.ds_persist:
+            self._persistent_stale = True   # whole copies are re-gathered before the next forward
+
+    def set_local_optimizer_state(self, p, key, value):
+        local = self._require_state(p, key)
+        if local is not None:
+            local.copy_(value.reshape(-1))
+
+    def _require_state(self, p, key):
+        if id(p) not in self.parts.slot or self._where(p)[2] <= 0:
+            return None
+        local = self._local(p, "state", key)
+        if local is None:
+            raise KeyError(f"optimizer state '{key}' does not exist (yet) for this parameter. "
+                           f"Optimizer state is created by the first optimizer step.")
+        return local
