@@ -52,10 +52,18 @@ def _read_config(config_dict_or_path, config):
     from ...config.ds_config import load_config_source
     from ...config.sections import BF16Section, FP16Section, ZeroSection
     raw = load_config_source(src)
-    zero = parse_section(ZeroSection, raw.get("zero_optimization") or {}, "zero_optimization")
-    fp16 = parse_section(FP16Section, raw.get("fp16") or {}, "fp16")
-    bf16 = parse_section(BF16Section, raw.get("bf16") or raw.get("bfloat16") or {}, "bf16")
+    zero = parse_section(ZeroSection, _resolved(raw.get("zero_optimization")), "zero_optimization")
+    fp16 = parse_section(FP16Section, _resolved(raw.get("fp16")), "fp16")
+    bf16 = parse_section(BF16Section, _resolved(raw.get("bf16") or raw.get("bfloat16")), "bf16")
     return zero, fp16.enabled, bf16.enabled
+
+
+def _resolved(section):
+    """A config section without the "auto" values Hugging Face leaves for keys it fills in
+    later (none of them matter to zero.Init); "auto" then means the key's default."""
+    if not isinstance(section, dict):
+        return section or {}
+    return {k: _resolved(v) if isinstance(v, dict) else v for k, v in section.items() if v != "auto"}
 
 
 def _ensure_dist():
