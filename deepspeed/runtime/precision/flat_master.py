@@ -40,24 +40,11 @@ from ..utils import clip_coef, is_model_parallel_parameter
 from ..zero.stage0 import comm_dtype as _comm_dtype
 from .flat_layout import GroupLayout, order_buckets
 from .flat_state import FlatStateMixin
-from .grad_reduce import FullGradReducer, PartitionGradReducer, _Comm
+from .grad_reduce import FullGradReducer, PartitionGradReducer, _Comm, transient_buffer
 from .inner_optimizer import build_inner_optimizer, user_param_groups
 from .loss_scaler import create_loss_scaler, warn_stuck_at_min_scale
 
 _ACCUM = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_HUGE_MIN_BYTES = 4 << 20
-
-
-def _scratch_fp32(numel: int, device) -> torch.Tensor:
-    """The step's transient fp32 gradient. On the host, large ones are backed by 2 MiB huge
-    pages before first touch: a fresh 4 KiB-paged block is page-faulted in on every step
-    (the allocator returns it to the OS), measured 4x slower than the copy into it."""
-    t = torch.empty(numel, dtype=torch.float32, device=device)
-    if t.device.type == "cpu" and numel * 4 >= _HUGE_MIN_BYTES:
-        from ...ops.adam.cpu_adam import _madvise_hugepages
-        _madvise_hugepages(t)
-    return t
-
 
 class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimizer):
     """Strategy + optimizer over flat fp32 master weights (see the module docstring)."""
@@ -347,7 +334,7 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
                 if whole is not None and whole.dtype == torch.float32 and whole.device == m.device:
                     t.grad = whole.narrow(0, a, b - a)
                 else:
-                    t.grad = _scratch_fp32(b - a, m.device)
+                    t.grad = transient_buffer(b - a, torch.float32, m.device)
                     self._copy_partition_grads(g, a, b, whole, t.grad)
                 grads.append(t.grad)
         return grads

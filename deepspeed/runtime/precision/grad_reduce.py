@@ -33,6 +33,22 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+_HUGE_MIN_BYTES = 4 << 20
+
+
+def transient_buffer(numel: int, dtype, device, zero: bool = False) -> torch.Tensor:
+    """A buffer that lives for one step or one bucket (fp32 gradient copy, stage-2 staging).
+
+    On the host, large ones are backed by 2 MiB huge pages before first touch: the C
+    allocator hands such blocks back to the OS when freed, so a 4 KiB-paged one is
+    page-faulted in afresh every time (measured 4x slower than the copy into it)."""
+    t = torch.empty(numel, dtype=dtype, device=device)
+    if t.device.type == "cpu" and numel * t.element_size() >= _HUGE_MIN_BYTES:
+        from ...ops.adam.cpu_adam import _madvise_hugepages
+        _madvise_hugepages(t)
+    return t.zero_() if zero else t
+
+
 class LateGradientError(RuntimeError):
     """A gradient arrived for a bucket whose reduction was already launched."""
 
@@ -225,8 +241,8 @@ class PartitionGradReducer(_InOrderLauncher):
     def _staging(self, b: Bucket) -> torch.Tensor:
         buf = self.staging.get(b.order)
         if buf is None:
-            buf = torch.zeros(b.region_numel(self.n_parts), dtype=self.comm_dtype,
-                              device=self.part_grads[b.group].device)
+            buf = transient_buffer(b.region_numel(self.n_parts), self.comm_dtype, self.part_grads[b.group].device,
+                                   zero=True)
             self.staging[b.order] = buf
         return buf
 
