@@ -46,42 +46,31 @@ def formula(stage: int, n: int, prec: str) -> float:
 
 
 def held_storages(*roots) -> dict:
-    """{(device, data_ptr): nbytes} of every tensor storage reachable from ``roots``."""
-    found, seen = {}, set()
-
-    def add(t):
-        if t.device.type == "meta":
-            return
-        st = t.untyped_storage()
-        if st.nbytes():
-            found[(str(t.device), st.data_ptr())] = st.nbytes()
-
-    def walk(o, depth=0):
-        if id(o) in seen or depth > 12:
-            return
+    """{(device, data_ptr): nbytes} of every tensor storage reachable from ``roots``
+    (breadth-first over containers, modules, optimizers and deepspeed objects; each object
+    visited once, no depth limit)."""
+    from collections import deque
+    found, seen, todo = {}, set(), deque(roots)
+    while todo:
+        o = todo.popleft()
+        if id(o) in seen:
+            continue
         seen.add(id(o))
         if torch.is_tensor(o):
-            add(o)
+            if o.device.type != "meta" and o.untyped_storage().nbytes():
+                found[(str(o.device), o.untyped_storage().data_ptr())] = o.untyped_storage().nbytes()
             if o.grad is not None:
-                add(o.grad)
-            for v in getattr(o, "__dict__", {}).values():   # e.g. a partition hung on a parameter
-                walk(v, depth + 1)
+                todo.append(o.grad)
+            todo.extend(getattr(o, "__dict__", {}).values())   # e.g. a partition hung on a parameter
         elif isinstance(o, dict):
-            for k, v in o.items():
-                walk(k, depth + 1)
-                walk(v, depth + 1)
+            todo.extend(o.keys())
+            todo.extend(o.values())
         elif isinstance(o, (list, tuple, set, frozenset)):
-            for v in o:
-                walk(v, depth + 1)
+            todo.extend(o)
         elif isinstance(o, torch.nn.Module):
-            for d in (o._parameters, o._buffers, o._modules):
-                walk(d, depth + 1)
+            todo.extend((o._parameters, o._buffers, o._modules))
         elif isinstance(o, torch.optim.Optimizer) or type(o).__module__.startswith("deepspeed"):
-            walk(getattr(o, "state", {}), depth + 1)
-            walk(getattr(o, "param_groups", []), depth + 1)
-            walk(getattr(o, "__dict__", {}), depth + 1)
-    for r in roots:
-        walk(r)
+            todo.extend((getattr(o, "state", {}), getattr(o, "param_groups", []), getattr(o, "__dict__", {})))
     return found
 
 
