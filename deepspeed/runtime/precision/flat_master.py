@@ -240,6 +240,11 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
         return self.scaler.cur_scale
 
     @property
+    def loss_scaler(self):
+        """DeepSpeed's attribute name for the scaler object."""
+        return self.scaler
+
+    @property
     def dynamic_loss_scale(self) -> bool:
         return self.scaler.dynamic
 

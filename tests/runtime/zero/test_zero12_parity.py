@@ -32,6 +32,8 @@ VARIANTS = {  # ws=2 only: each must still equal the reference exactly like its 
     "s0_bf16": (ds_config(0, 2, MB, "bf16"), "sgd"),      # stage 0 in 16 bits: flat masters, all-reduce
     "s2_bf16_accum_fp32": (dict(ds_config(2, 2, MB, "bf16"), data_types={"grad_accum_dtype": "fp32"}), "sgd"),
     "s1_fp16": (ds_config(1, 2, MB, "fp16"), "sgd"),
+    "s2_predivide": (dict(ds_config(2, 2, MB), prescale_gradients=True, gradient_predivide_factor=2.0), "sgd"),
+    "s1_bf16_comm_fp32": (dict(ds_config(1, 2, MB, "bf16"), communication_data_type="fp32"), "sgd"),
     # gloo's reduce-scatter/all-gather (what NCCL runs) instead of carrying them by all-reduce
     "s1_native_collectives": (ds_config(1, 2, MB), "sgd"),
     "s2_native_collectives": (ds_config(2, 2, MB), "sgd"),
@@ -98,7 +100,7 @@ def test_zero12_matches_plain_pytorch(world_size):
     nb = r["offload_s1"]["n_buckets"]
     # offload (master, grads and optimizer state on the host) gives the same parameters
     for name in ("offload_s1", "offload_s2", "s2_sync_reduce_noncontig", "s1_reduce", "s1_native_collectives",
-                 "s2_native_collectives"):
+                 "s2_native_collectives", "s2_predivide"):
         for pname, want in ref.items():
             torch.testing.assert_close(r[name]["fp32"][pname], want, **TOL["fp32"], msg=f"{name} {pname}")
     # reduce_scatter: false -> one reduce per owner rank per bucket
@@ -114,6 +116,6 @@ def test_zero12_matches_plain_pytorch(world_size):
     for pname, want in ref.items():
         torch.testing.assert_close(s0["fp32"][pname], want, **TOL["bf16"], msg=f"s0_bf16 {pname}")
     # fp32 gradient accumulation at stage 2 (bf16 model) and fp16 with loss scaling at stage 1
-    for name in ("s2_bf16_accum_fp32", "s1_fp16"):
+    for name in ("s2_bf16_accum_fp32", "s1_fp16", "s1_bf16_comm_fp32"):
         for pname, want in ref.items():
             torch.testing.assert_close(r[name]["fp32"][pname], want, **TOL["bf16"], msg=f"{name} {pname}")
