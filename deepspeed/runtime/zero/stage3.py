@@ -46,6 +46,18 @@ def _comm_dtype(name):
     return comm_dtype(name)
 
 
+def _refuse_unsupported(z) -> None:
+    from ...config.errors import DeepSpeedConfigError
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
+        if getattr(z, key):
+            raise DeepSpeedConfigError(f"zero_optimization.{key} (ZeRO++ quantization) is not supported by this "
+                                       f"deepspeed; set it to false.")
+    if z.zero_hpz_partition_size > 1 or z.mics_shard_size > 0:
+        raise DeepSpeedConfigError("zero_optimization.zero_hpz_partition_size > 1 (hpZ) and mics_shard_size > 0 "
+                                   "(MiCS) are not supported by this deepspeed; ZeRO-3 partitions over the whole "
+                                   "data-parallel group.")
+
+
 class DeepSpeedZeroOptimizer_Stage3(Stage3StateAccess, TrainingStrategy):  # noqa: N801 - DeepSpeed's name
     """ZeRO stage 3 for fp32, fp16 and bf16 training (see the module docstring)."""
 
@@ -55,6 +67,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3StateAccess, TrainingStrategy):  # noq
         super().__init__(module, ctx)
         cfg = ctx.config
         z = cfg.zero
+        _refuse_unsupported(z)
         self.fp16, self.bf16 = cfg.fp16_enabled, cfg.bfloat16_enabled
         self.dtype = torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
         self.clip = cfg.gradient_clipping
