@@ -76,10 +76,6 @@ def main():
     engine = _engine("bf16")
     opt = engine.optimizer
 
-    def flat_inner():
-        opt._attach_master_grads()   # (not timed separately: attach cost is in flat_full_step)
-        opt.inner.step()
-        opt._detach_master_grads()
     opt._attach_master_grads()
     inner_only = opt.inner.step
 
@@ -87,7 +83,8 @@ def main():
     for p in ref_params:
         p.grad = torch.randn_like(p) * 1e-3
     variants = {"flat_inner_adamw": inner_only}
-    for name, kw in (("torch_adamw_per_param", {"foreach": False}), ("torch_adamw_per_param_foreach", {"foreach": True}),
+    for name, kw in (("torch_adamw_per_param", {"foreach": False}),
+                     ("torch_adamw_per_param_foreach", {"foreach": True}),
                      ("torch_adamw_per_param_fused", {"fused": True})):
         o = torch.optim.AdamW(ref_params, lr=1e-4, **kw)
         o.step()

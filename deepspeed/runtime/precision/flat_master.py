@@ -204,7 +204,8 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
         common = dict(overlap=self.overlap, predivide=self.predivide)
         if self.partition_grads:
             self.reducer = PartitionGradReducer(
-                self.buckets, self.part_grads, self.n_parts, self.comm, reduce_scatter=self.ctx.config.zero.reduce_scatter,
+                self.buckets, self.part_grads, self.n_parts, self.comm,
+                reduce_scatter=self.ctx.config.zero.reduce_scatter,
                 comm_dtype=self.comm_dtype, contiguous=self.ctx.config.zero.contiguous_gradients, **common)
         else:
             mode = "all_reduce" if self.n_parts == 1 else (
@@ -361,7 +362,8 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
 
     def _overflow_and_sq_norm(self, grads):
         """One collective: (any rank non-finite?, squared norm of the summed gradients)."""
-        sq = torch.stack(torch._foreach_norm(grads, 2.0)).double().pow(2).sum() if grads else torch.zeros((), dtype=torch.float64)
+        sq = (torch.stack(torch._foreach_norm(grads, 2.0)).double().pow(2).sum() if grads
+              else torch.zeros((), dtype=torch.float64))
         flag = 0.0 if math.isfinite(sq.item()) else 1.0
         mpu = self.ctx.mpu
         mp_split = mpu is not None and mpu.get_model_parallel_world_size() > 1

@@ -66,7 +66,8 @@ class FlatStateMixin:
             hyper = self.param_groups[g] if self.inner is not None else {}
             groups.append(dict({k: v for k, v in hyper.items() if k != "params"}, params=[s.name for s in lay.slots]))
             first = self.opt_tensors[g][0] if self.opt_tensors[g] else None
-            group_state.append(split_param_state(self.state.get(first, {}), first.shape)[1] if first is not None else {})
+            group_state.append(split_param_state(self.state.get(first, {}), first.shape)[1]
+                               if first is not None else {})
         return make_rank_state(zero_stage=self.stage, dp_world_size=self.world, dp_rank=dp_rank, mp_rank=mp_rank,
                                dtype=self.dtype, params=params, param_groups=groups, group_state=group_state,
                                optimizer_class=type(self.inner).__name__ if self.inner is not None else None,
