@@ -118,13 +118,10 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3StateAccess, TrainingStrategy):  # noq
                 continue
             seen.add(id(p))
             cast = p.is_floating_point() and self._dtype_of(p) != self.dtype
-            persist = p.numel() < z.param_persistence_threshold if not is_zero_param(p) \
-                else p.ds_numel < z.param_persistence_threshold
             numel = p.ds_numel if is_zero_param(p) else p.numel()
-            if persist and budget >= numel:
+            persist = numel < z.param_persistence_threshold and numel <= budget
+            if persist:
                 budget -= numel
-            else:
-                persist = False
             if is_zero_param(p):
                 self._adopt(p, cast)
                 if persist and not p.ds_persist:
