@@ -317,10 +317,14 @@ class GatheredParameters:
                 comm = self.params[0]._z3.comm
                 src = self.modifier_rank
                 if comm.active and comm.group is not None:
-                    src = dist.get_group_rank(comm.group, self.modifier_rank)
+                    try:
+                        src = dist.get_group_rank(comm.group, self.modifier_rank)
+                    except ValueError:
+                        src = -1
                     if src < 0:
-                        raise ValueError(f"GatheredParameters: modifier_rank {self.modifier_rank} is not in the "
-                                         f"parameters' data-parallel group.")
+                        raise ValueError(
+                            f"GatheredParameters: modifier_rank {self.modifier_rank} (a global rank) is not in the "
+                            f"parameters' data-parallel group {dist.get_process_group_ranks(comm.group)}.")
                 broadcast_and_repartition(self.params, src)
         finally:
             for p, was in zip(self.params, self._was_available):

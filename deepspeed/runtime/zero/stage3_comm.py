@@ -97,7 +97,15 @@ class CheckedComm:
         self.seq += 1
         hdr = torch.tensor([kind, self.seq, digest(ids), int(numel)], dtype=torch.int64)
         out = torch.empty(self.world_size * _HEADER, dtype=torch.int64)
-        _all_gather_1(out, hdr, group=self.header_group)
+        try:
+            _all_gather_1(out, hdr, group=self.header_group)
+        except RuntimeError as err:   # a peer died, or waits in a collective that is not ZeRO-3's
+            raise ZeroRankMismatchError(
+                f"ZeRO stage 3: collective #{self.seq} ({KIND_NAMES.get(kind, kind)}"
+                + (f" for {what}" if what else "") + ") did not complete on every data-parallel rank: "
+                f"{err}\nAnother rank failed (see its log) or is blocked elsewhere - e.g. it left the training "
+                f"loop early, or entered save_checkpoint/a barrier while this rank was still in forward/backward. "
+                f"Every rank must run the same steps.") from err
         rows = out.view(self.world_size, _HEADER)
         if bool((rows == rows[0]).all()):
             return

@@ -52,9 +52,31 @@ def _scenario(rank, ws, mode):
     return {"error": None}
 
 
+def _leaves_early(rank, ws):
+    """Rank 1 stops training one step early (and its process exits); rank 0 must get an error."""
+    import deepspeed
+    torch.manual_seed(0)
+    model = TinyLM(n_layers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    eng = deepspeed.initialize(model=model, optimizer=opt, config=stage3_config(gas=1, mb=2))[0]
+    t0 = time.time()
+    try:
+        for step, b in enumerate(lm_batches(3, 2 * ws)):
+            if rank == 1 and step == 2:
+                return {"error": None}
+            x, y = shard(b, rank, ws, 0, 2)
+            eng.backward(eng(x, y))
+            eng.step()
+    except deepspeed.zero.ZeroRankMismatchError as err:
+        return {"error": str(err), "seconds": time.time() - t0}
+    return {"error": None}
+
+
 def _body(rank, ws):
     # Both ranks raise at the same collective, so the group stays usable for the next scenario.
-    return {mode: _scenario(rank, ws, mode) for mode in ("skip_branch", "extra_forward")}
+    out = {mode: _scenario(rank, ws, mode) for mode in ("skip_branch", "extra_forward")}
+    out["leaves_early"] = _leaves_early(rank, ws)   # last: rank 1's process ends after it
+    return out
 
 
 def test_diverging_ranks_fail_clearly_on_every_rank():
@@ -67,3 +89,5 @@ def test_diverging_ranks_fail_clearly_on_every_rank():
             assert err["seconds"] < 20
     # the first differing collective names the module rank 0 gathers and rank 1 skipped
     assert "blocks.1" in res[0]["skip_branch"]["error"]
+    err = res[0]["leaves_early"]["error"]
+    assert err is not None and "did not complete on every data-parallel rank" in err and "Every rank must run" in err
