@@ -23,13 +23,14 @@ _SKIP = (type, str, bytes, int, float, types.ModuleType, types.FunctionType, typ
 
 
 def reachable_storage_bytes(root) -> int:
-    seen_obj, seen_st, total = set(), set(), 0
+    # seen_obj keeps every visited object alive: ids are unique only among live objects
+    seen_obj, seen_st, total = {}, set(), 0
     todo = [root]
     while todo:
         o = todo.pop()
         if id(o) in seen_obj or isinstance(o, _SKIP):
             continue
-        seen_obj.add(id(o))
+        seen_obj[id(o)] = o
         if isinstance(o, torch.Tensor):
             st = o.untyped_storage()
             key = (st.data_ptr(), o.device)
