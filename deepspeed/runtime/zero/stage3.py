@@ -25,8 +25,9 @@ from ...utils.logging import logger
 from ..precision.loss_scaler import create_loss_scaler
 from ..strategy import StepOutcome, StrategyContext, TrainingStrategy
 from ..utils import clip_coef, is_model_parallel_parameter
-from .estimators import (estimate_zero3_model_states_mem_needs, estimate_zero3_model_states_mem_needs_all_cold,  # noqa: F401
-                         estimate_zero3_model_states_mem_needs_all_live)
+from .estimators import estimate_zero3_model_states_mem_needs  # noqa: F401 - DeepSpeed's import path
+from .estimators import estimate_zero3_model_states_mem_needs_all_cold  # noqa: F401
+from .estimators import estimate_zero3_model_states_mem_needs_all_live  # noqa: F401
 from .parameter_offload import ParameterCoordinator
 from .partitioned_param import (PartitionSpec, ZeroParamStatus, convert_param, gather_params, is_zero_param,
                                 release_param)

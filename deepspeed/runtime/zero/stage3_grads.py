@@ -9,8 +9,9 @@ elements (``cap = reduce_bucket_size / N`` columns, never more than the trainabl
 parameters need); when the next slice does not fit, the bucket is reduce-scattered
 asynchronously (its rows are the per-rank inputs, so no re-layout copy is needed)
 and a new one opens. One bucket reduces while the next fills, which bounds the
-transient memory by twice the bucket size (plus the received slices). Each rank receives its averaged slice of every
-parameter of the bucket and hands it to ``sink(param, slice)``.
+transient memory by twice the bucket size (plus the received slices). Each rank
+receives its averaged slice of every parameter of the bucket and hands it to
+``sink(param, slice)``.
 """
 from __future__ import annotations
 
