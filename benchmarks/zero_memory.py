@@ -50,12 +50,14 @@ def held_storages(*roots) -> dict:
     (breadth-first over containers, modules, optimizers and deepspeed objects; each object
     visited once, no depth limit)."""
     from collections import deque
-    found, seen, todo = {}, set(), deque(roots)
+    # seen keeps the objects alive: an id is only unique while its object lives, and the walk
+    # creates objects (default {} / [] containers, lazily materialised instance __dict__s)
+    found, seen, todo = {}, {}, deque(roots)
     while todo:
         o = todo.popleft()
         if id(o) in seen:
             continue
-        seen.add(id(o))
+        seen[id(o)] = o
         if torch.is_tensor(o):
             if o.device.type != "meta" and o.untyped_storage().nbytes():
                 found[(str(o.device), o.untyped_storage().data_ptr())] = o.untyped_storage().nbytes()

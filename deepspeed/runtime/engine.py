@@ -392,6 +392,15 @@ class DeepSpeedEngine(torch.nn.Module):
 
     save_fp16_model = save_16bit_model
 
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """Full 16-bit state dict (Accelerate calls this); collective at stage 3, where only
+        data-parallel rank 0 receives the tensors."""
+        sd = self.strategy.module_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k not in frozen}
+        return sd
+
 
 def _cast_floating(x, dtype):
     if torch.is_tensor(x) and x.is_floating_point():

@@ -102,7 +102,9 @@ class TrainingStrategy(ABC):
 
     # -- state ------------------------------------------------------------------------
     def module_state_dict(self) -> dict:
-        """Full (unpartitioned) module state dict, identical on every rank that calls it."""
+        """Full (unpartitioned) module state dict. Every rank must call it (collective at
+        stage 3, where only data-parallel rank 0 receives the tensors and the others get an
+        empty dict, to avoid one host copy of the model per rank)."""
         return self.module.state_dict()
 
     def load_module_state_dict(self, state_dict: dict, strict: bool = True) -> None:

@@ -105,7 +105,11 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
         # divide before the collective; the rest of 1/N is folded into the step's multiply
         self.predivide = pre if (cfg.model.prescale_gradients or pre != 1.0) and self.world > 1 else 1.0
         self.ignore_unused = z.ignore_unused_parameters
-        self.reduce_bucket_size = z.reduce_bucket_size
+        # As at stage 0: one 5e8 bucket (the documented default) cannot overlap backward, so
+        # unless the config sets reduce_bucket_size, buckets hold 4M elements.
+        from ..zero.stage0 import STAGE0_DEFAULT_BUCKET
+        self.reduce_bucket_size = (z.reduce_bucket_size if "reduce_bucket_size" in z.model_fields_set
+                                   else STAGE0_DEFAULT_BUCKET)
         self.allgather_bucket_size = z.allgather_bucket_size
         self.skip_on_overflow = cfg.fp16_enabled or (cfg.bfloat16_enabled and cfg.bf16.check_grad_overflow)
         self.scaler = create_loss_scaler(cfg.fp16, cfg.fp16_enabled)

@@ -31,6 +31,9 @@ import contextlib
 
 from ..precision.flat_master import FlatMasterOptimizer
 from ..strategy import StrategyContext
+from .estimators import (estimate_zero2_model_states_mem_needs,  # noqa: F401  (DeepSpeed's import path)
+                         estimate_zero2_model_states_mem_needs_all_cold,
+                         estimate_zero2_model_states_mem_needs_all_live)
 
 
 class DeepSpeedZeroOptimizer(FlatMasterOptimizer):
