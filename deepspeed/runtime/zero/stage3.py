@@ -37,6 +37,11 @@ from .stage3_grads import GradReducer
 from .stage3_master import MasterPartitions
 from .stage3_state_dict import gather_module_state_dict, load_full_state_dict
 
+# Elements per gradient bucket when the config does not set reduce_bucket_size: about one
+# transformer layer's weight matrix. Measured (fp32, 8.4M params, 2 ranks, gloo): backward's peak
+# above the gathered parameters was 13.9 MiB with 2M-element buckets, 29 MiB with 4M and 35 MiB
+# with one bucket for every gradient, at the same step time.
+STAGE3_DEFAULT_BUCKET = 2 ** 21
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -88,7 +93,11 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3StateAccess, TrainingStrategy):  # noq
         self.optimizer = self._build_optimizer()
         self.spec.listeners.append(self._on_param_modified)
         self.scaler = create_loss_scaler(cfg.fp16, self.fp16)
-        self.reducer = GradReducer(self.comm, z.reduce_bucket_size, self.parts.accumulate,
+        # DeepSpeed's reduce_bucket_size default (5e8) would make one bucket holding every
+        # gradient - a bound only in name - and one reduce-scatter that cannot overlap backward;
+        # unless the config sets the key, buckets hold STAGE3_DEFAULT_BUCKET elements.
+        bucket = z.reduce_bucket_size if "reduce_bucket_size" in z.model_fields_set else STAGE3_DEFAULT_BUCKET
+        self.reducer = GradReducer(self.comm, bucket, self.parts.accumulate,
                                    overlap=z.overlap_comm is not False,
                                    comm_dtype=_comm_dtype(cfg.model.communication_data_type),
                                    predivide=cfg.model.gradient_predivide_factor,
@@ -208,11 +217,13 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3StateAccess, TrainingStrategy):  # noq
         self.coordinator.new_step()
 
     def _on_grad(self, p) -> None:
-        g = p.grad
-        p.grad = None
-        if g is not None and self.parts.owns(p):
-            self.reducer.add(p, g)
+        # Release the gathered parameter first and let the reducer take the gradient out of
+        # p.grad (freeing it before a full bucket is launched): at no point do the full
+        # parameter, its full gradient and a bucket's reduce-scatter buffers coexist.
         self.coordinator.release_after_backward(p)
+        if p.grad is not None and self.parts.owns(p):
+            self.reducer.take(p)
+        p.grad = None
 
     def backward(self, loss, *, sync, retain_graph=False):
         if not self._sync_enabled:

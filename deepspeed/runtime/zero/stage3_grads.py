@@ -47,7 +47,13 @@ class GradReducer:
         self.launches = 0
         self.peak_buffer_bytes = 0     # most bucket bytes alive at once (transient memory)
 
-    def add(self, p, grad: torch.Tensor) -> None:
+    def take(self, p) -> None:
+        """Move ``p.grad`` into the open bucket and drop it (``p.grad`` becomes None) before a
+        full bucket is launched, so the full gradient is not alive during the reduce-scatter."""
+        grad, p.grad = p.grad, None
+        self.add(p, grad, _owned=True)
+
+    def add(self, p, grad: torch.Tensor, _owned: bool = False) -> None:
         s = p.ds_tensor.numel()
         if s == 0:
             return
@@ -60,6 +66,8 @@ class GradReducer:
             self._account()
         b = self.open
         self._copy_in(b.buf, b.fill, s, grad.reshape(-1))
+        if _owned:
+            del grad          # the caller holds no other reference: freed here
         b.items.append((p, b.fill, s))
         b.fill += s
         if b.fill >= b.buf.shape[1]:
