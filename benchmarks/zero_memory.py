@@ -30,6 +30,12 @@ resident set just before it, so no sampling can miss a peak. The workers run wit
 mmap threshold pinned at 128 KiB (``MALLOC_MMAP_THRESHOLD_``), so every freed large buffer
 goes back to the kernel and the resident set follows live bytes rather than malloc's
 cache. The median of three steps after two warm-up steps, the larger rank.
+
+Measured here (fp32, N=2, bytes/param): FSDP2 4.01; stage 3 layer-sized 4.40 before and
+4.02 after releasing each parameter before bucketing its gradient; stage 3 default 8.44
+before and 5.19 after that plus 2M-element default gradient buckets (the rest is the whole
+model staying gathered between forward and backward, which the default
+``stage3_max_reuse_distance`` of 1e9 asks for).
 """
 from __future__ import annotations
 
