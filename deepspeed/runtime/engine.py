@@ -115,10 +115,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self.strategy = build_strategy(model, ctx)
         self.optimizer = self.strategy.optimizer
         if self.optimizer is not None and not hasattr(self.optimizer, "overflow"):
-            try:
+            with contextlib.suppress(AttributeError):  # read-only on some optimizer wrappers
                 self.optimizer.overflow = False
-            except AttributeError:
-                pass
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
 
         # ---- data ----------------------------------------------------------------------------
@@ -181,10 +179,8 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # ------------------------------------------------------------------ module fall-through
     def __getattr__(self, name):
-        try:
+        with contextlib.suppress(AttributeError):
             return super().__getattr__(name)
-        except AttributeError:
-            pass
         modules = self.__dict__.get("_modules", {})
         if "module" in modules and hasattr(modules["module"], name):
             return getattr(modules["module"], name)
@@ -246,10 +242,8 @@ class DeepSpeedEngine(torch.nn.Module):
             else:
                 outcome = self.strategy.step()
                 outcome_skipped, norm = outcome.skipped, outcome.grad_norm
-                try:
+                with contextlib.suppress(AttributeError):
                     self.optimizer.overflow = outcome_skipped
-                except AttributeError:
-                    pass
             self._global_grad_norm = norm
             if outcome_skipped:
                 self.skipped_steps += 1
