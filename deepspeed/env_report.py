@@ -103,6 +103,10 @@ def _precision_probe(dtype: str) -> Probe:
     return probe
 
 
+def _nvme_probe() -> Tuple[bool, str]:
+    return False, "NVMe swapping (ZeRO-Infinity) is not built; offload_*.device 'nvme' is refused"
+
+
 def _compiled_kernels_probe() -> Tuple[bool, str]:
     return False, "this build has no custom C++/CUDA kernels; it uses PyTorch's own operators"
 
@@ -116,8 +120,9 @@ def feature_probes() -> List[Tuple[str, Probe]]:
         ("ZeRO stage 1", _zero_probe(1)),
         ("ZeRO stage 2", _zero_probe(2)),
         ("ZeRO stage 3", _zero_probe(3)),
-        ("ZeRO CPU offload", _import_probe("deepspeed.runtime.zero.offload")),
-        ("ZeRO NVMe offload", _import_probe("deepspeed.runtime.zero.swap")),
+        ("ZeRO optimizer CPU offload", _import_probe("deepspeed.runtime.precision.flat_master:FlatMasterOptimizer")),
+        ("ZeRO-3 parameter CPU offload", _import_probe("deepspeed.runtime.zero.parameter_offload")),
+        ("ZeRO NVMe offload", _nvme_probe),
         ("CPU Adam (DeepSpeedCPUAdam)", _import_probe("deepspeed.ops.adam:DeepSpeedCPUAdam")),
         ("FusedAdam", _import_probe("deepspeed.ops.adam:FusedAdam")),
         ("CPU Adagrad", _import_probe("deepspeed.ops.adagrad:DeepSpeedCPUAdagrad")),

@@ -47,11 +47,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise TypeError("deepspeed.initialize: 'model' is required.")
     comm.init_distributed(dist_init_required=dist_init_required, verbose=False,
                           distributed_port=distributed_port or 29500)
-    if getattr(model, "_is_pipeline_module", False):
-        from .pipe.engine import PipelineEngine
-        engine_cls = PipelineEngine
-    else:
-        engine_cls = DeepSpeedEngine
+    engine_cls = DeepSpeedEngine
     from ..comm import groups
     ds_config = DeepSpeedConfig(source, mpu=mpu, world_size=groups.get_data_parallel_world_size(mpu))
     if ds_config.optimizer is not None:
