@@ -10,6 +10,7 @@ asks the kernel to SIGKILL it if the supervisor dies, so nothing outlives the la
 from __future__ import annotations
 
 import ctypes
+import contextlib
 import os
 import signal
 import subprocess
@@ -79,11 +80,9 @@ def _watch_stdin() -> None:
     def reader():
         # os.read on the raw descriptor: a thread blocked in sys.stdin.buffer would
         # hold its lock and abort the interpreter at shutdown.
-        try:
+        with contextlib.suppress(OSError):
             while os.read(0, 4096):
-                pass
-        except OSError:
-            pass
+                continue
         os.kill(os.getpid(), signal.SIGTERM)
     threading.Thread(target=reader, name="stdin-watchdog", daemon=True).start()
 
@@ -200,10 +199,8 @@ class Supervisor:
                 os.killpg(m.proc.pid, signum)
             except (ProcessLookupError, PermissionError):
                 if m.returncode is None:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                         m.proc.send_signal(signum)
-                    except ProcessLookupError:
-                        pass
 
     def _on_signal(self, signum, frame) -> None:
         if self.received_signal is not None:  # a second signal: no more patience

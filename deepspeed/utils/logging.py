@@ -27,7 +27,7 @@ def _rank() -> int:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank()
-    except Exception:
+    except (ImportError, RuntimeError):  # logging must never raise: fall back to the env rank
         pass
     return int(os.environ.get("RANK", "0"))
 

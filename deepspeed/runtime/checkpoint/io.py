@@ -8,6 +8,7 @@ Loading uses ``torch.load(weights_only=True)``: a checkpoint file cannot run cod
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -24,9 +25,8 @@ def _fsync_dir(path: str) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
+            os.fsync(fd)
     finally:
         os.close(fd)
 
