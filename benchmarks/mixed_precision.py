@@ -4,9 +4,13 @@ the same parameters, and the measured model-state bytes per parameter, in one ru
 Timed (median over steps after warm-up, one process, gradients already in place):
 * ``flat_inner_adamw``: the config's ``AdamW`` (deepspeed FusedAdam) stepping our one
   flat fp32 master tensor per group;
-* ``flat_full_step``: our whole 16-bit step - cast of the bf16 gradients into a transient
-  fp32 buffer, overflow check + norm (one reduction), unscale/clip multiply, the flat
-  AdamW update, copy of the masters into the 16-bit parameters;
+* ``flat_full_step``: our whole 16-bit step as it runs on the host - the bf16 gradients
+  cast chunk by chunk (256K elements) into a small fp32 staging buffer: once for the
+  overflow check + norm (one reduction), once more for the flat AdamW update, which
+  applies the unscale/clip factor inside the fused kernel; each updated chunk of masters
+  is copied into the 16-bit parameters while still in cache;
+* ``flat_full_step_whole_grad_copy``: the same step with one whole transient fp32 copy of
+  the gradients, a separate multiply and a separate copy-back (the CUDA path);
 * ``flat_full_step_grad_accum_fp32``: the same with ``data_types.grad_accum_dtype: fp32``
   (gradients kept in fp32, so no transient copy; 18 bytes per parameter);
 * ``torch_adamw_per_param`` (foreach off, PyTorch's CPU default), ``..._foreach`` and
@@ -111,6 +115,16 @@ def main():
         opt._detach_master_grads()
         opt.step()
     variants["flat_full_step"] = flat_full_step
+    # the same step with the whole fp32 gradient copy (the path CUDA takes) instead of the
+    # chunked staging buffer, on a second engine with the same model
+    engine_whole = _engine("bf16")
+    opt_whole = engine_whole.optimizer
+    opt_whole._streamed = False
+
+    def flat_full_step_whole_buffer():
+        opt_whole._detach_master_grads()
+        opt_whole.step()
+    variants["flat_full_step_whole_grad_copy"] = flat_full_step_whole_buffer
     # with data_types.grad_accum_dtype fp32 the reduced gradients already are fp32: the
     # step needs no transient fp32 copy (2 more bytes per parameter held: 18)
     engine32 = _engine("bf16", "fp32")
@@ -142,7 +156,9 @@ def main():
            "step_ms": {k: round(v * 1e3, 3) for k, v in t.items()},
            "ratios": {"flat_inner_adamw_vs_best_torch_per_param": round(t["flat_inner_adamw"] / best_ref, 3),
                       "flat_full_step_vs_torch_per_param_mixed_full_step":
-                          round(t["flat_full_step"] / t["torch_per_param_mixed_full_step"], 3)},
+                          round(t["flat_full_step"] / t["torch_per_param_mixed_full_step"], 3),
+                      "flat_full_step_vs_whole_grad_copy":
+                          round(t["flat_full_step"] / t["flat_full_step_whole_grad_copy"], 3)},
            "bytes_per_param": {k: round(v, 4) for k, v in bpp.items()},
            "bytes_per_param_formula": {"fp16": 16, "bf16": 16, "bf16_grad_accum_fp32": 18}}
     print(json.dumps(out))

@@ -174,15 +174,57 @@ class FusedAdam(torch.optim.Optimizer):
             self._update(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                          [s["exp_avg_sq"] for s in states], steps, **args)
 
+    def supports_streamed_step(self) -> bool:
+        """Whether :meth:`step_streamed` applies: 1-D parameters whose moments share their
+        dtype (the flat fp32 masters of the mixed-precision strategies)."""
+        return all(p.dim() == 1 and p.is_contiguous() and self._state_dtype(p) == p.dtype
+                   for g in self.param_groups for p in g["params"])
+
+    @torch.no_grad()
+    def step_streamed(self, fill_grad: Callable, staging: torch.Tensor, after_chunk: Optional[Callable] = None,
+                      grad_mult: float = 1.0):
+        """The same update as :meth:`step`, one cache-sized chunk at a time, with gradients
+        that are never materialised whole: ``fill_grad(p, lo, hi, out)`` writes the
+        gradient of ``p[lo:hi]`` into ``out`` (a prefix of ``staging``), the chunk is
+        updated with the gradient times ``grad_mult`` (inside the fused kernel, no extra
+        pass), then ``after_chunk(p, lo, hi)`` runs while it is still in cache. Adam is
+        elementwise, so the result equals one whole-tensor step. ``p.grad`` is not read.
+        """
+        chunk = staging.numel()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            hp = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                      weight_decay=float(group["weight_decay"]), bias_correction=group["bias_correction"])
+            for p in group["params"]:
+                n = p.numel()
+                if n == 0:
+                    continue
+                state = self._init_state(p)
+                state["step"].add_(1.0)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                for lo in range(0, n, chunk):
+                    hi = min(n, lo + chunk)
+                    g = staging.narrow(0, 0, hi - lo)
+                    fill_grad(p, lo, hi, g)
+                    self._update_same_dtype([p.narrow(0, lo, hi - lo)], [g], [m.narrow(0, lo, hi - lo)],
+                                            [v.narrow(0, lo, hi - lo)], [state["step"]], grad_mult=grad_mult, **hp)
+                    if after_chunk is not None:
+                        after_chunk(p, lo, hi)
+
     def _update(self, params, grads, exp_avgs, exp_avg_sqs, steps, **hp) -> None:
         """One bucket of same-device, same-dtype parameters; moments may be wider (fp32)."""
         in_state_dtype(params, grads, exp_avgs[0].dtype,
                        lambda ps, gs: self._update_same_dtype(ps, gs, exp_avgs, exp_avg_sqs, steps, **hp))
 
     def _update_same_dtype(self, params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
-                           weight_decay, bias_correction) -> None:
+                           weight_decay, bias_correction, grad_mult: float = 1.0) -> None:
+        """``grad_mult``: the gradients are used multiplied by it (they are not modified on
+        the fused path, which divides by ``1 / grad_mult`` as it reads them)."""
         device = params[0].device
         if _fused_kernel_ok(params[0]) and (bias_correction or max(beta1, beta2) < 1.0):
+            scale = None
+            if grad_mult != 1.0:
+                scale = torch.full((), 1.0 / grad_mult, dtype=torch.float32, device=device)
             if bias_correction:
                 kernel_steps = [s if s.device == device else s.to(device) for s in steps]
             else:
@@ -190,8 +232,10 @@ class FusedAdam(torch.optim.Optimizer):
                 kernel_steps = [fake] * len(params)
             kernel = torch._fused_adamw_ if self.adam_w_mode else torch._fused_adam_
             kernel(params, grads, exp_avgs, exp_avg_sqs, [], kernel_steps, lr=lr, beta1=beta1, beta2=beta2,
-                   weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+                   weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=scale)
             return
+        if grad_mult != 1.0:
+            grads = torch._foreach_mul(grads, grad_mult)
         adam_foreach(params, grads, exp_avgs, exp_avg_sqs, [float(s) for s in steps], lr=lr, beta1=beta1,
                      beta2=beta2, eps=eps, weight_decay=weight_decay, adam_w_mode=self.adam_w_mode,
                      bias_correction=bias_correction)

@@ -304,23 +304,90 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
                              "runs after engine.backward().")
         if self.inner is None:
             return StepOutcome()
-        grads = self._attach_master_grads()
-        flag, sq = self._overflow_and_sq_norm(grads)
+        streamed = self._use_streamed_step()
+        if streamed:
+            staging = transient_buffer(self._staging_numel(), torch.float32, self.masters[0].device)
+            local_sq = self._streamed_local_sq(staging)
+        else:
+            grads = self._attach_master_grads()
+            local_sq = (torch.stack(torch._foreach_norm(grads, 2.0)).double().pow(2).sum() if grads
+                        else torch.zeros((), dtype=torch.float64))
+        flag, sq = self._overflow_and_sq_norm(local_sq)
         if flag and self.skip_on_overflow:
             return self._skip_step()
         post = self.predivide / self.world
         scale = self.scaler.cur_scale
         norm = math.sqrt(sq) * post / scale if math.isfinite(sq) else float(sq)
         mult = post / scale * (clip_coef(norm, self.clip) if self.clip > 0 else 1.0)
-        if mult != 1.0 and grads:
-            torch._foreach_mul_(grads, mult)
-        self.inner.step()
-        self._detach_master_grads()
-        self.refresh_module_params()
+        if streamed:
+            self.inner.step_streamed(self._fill_master_grad, staging, self._copy_back_chunk, grad_mult=mult)
+            if self.n_parts > 1:
+                self._all_gather_params()
+        else:
+            if mult != 1.0 and grads:
+                torch._foreach_mul_(grads, mult)
+            self.inner.step()
+            self._detach_master_grads()
+            self.refresh_module_params()
         self.scaler.update_scale(False)
         self.overflow = False
         self.last_grad_norm = norm
         return StepOutcome(skipped=False, grad_norm=norm)
+
+    # -- the streamed step: 16-bit gradients, fp32 masters in host memory ------------------
+    # A whole fp32 copy of the gradients would be written, read for the norm, scaled and
+    # read again by the update, and on the host each fresh multi-MiB buffer is also
+    # page-faulted in. Instead the 16-bit gradients are cast one cache-sized chunk at a
+    # time into a small staging buffer: once for the norm, once more for the update,
+    # which is followed at once by the copy of that chunk of masters into the 16-bit
+    # parameters. On CUDA the whole-buffer path stays (one kernel per op beats thousands
+    # of small launches, and the caching allocator has no page faults).
+    _STREAM_CHUNK = 1 << 18  # elements: a 1 MiB fp32 staging buffer, about one core's L2
+
+    def _use_streamed_step(self) -> bool:
+        if getattr(self, "_streamed", None) is None:
+            masters = [m for m in self.masters if m is not None]
+            self._streamed = bool(
+                masters and len(masters) == len(self.masters) and self.grad_dtype != torch.float32
+                and all(m.device.type == "cpu" for m in masters)
+                and all(m.device == f.device for m, f in zip(self.masters, self.param_flats))
+                and callable(getattr(self.inner, "step_streamed", None))
+                and self.inner.supports_streamed_step()
+                and [[id(p) for p in g["params"]] for g in self.inner.param_groups] == [[id(m)] for m in self.masters])
+            self._master_group = {id(m): g for g, m in enumerate(self.masters)}
+        return self._streamed
+
+    def _staging_numel(self) -> int:
+        return max(1, min(self._STREAM_CHUNK, max(m.numel() for m in self.masters)))
+
+    def _streamed_local_sq(self, staging) -> torch.Tensor:
+        """Squared L2 norm of this rank's gradients, cast chunk by chunk into ``staging``."""
+        c = staging.numel()
+        norms = []
+        for g, m in enumerate(self.masters):
+            whole = self._whole_grads(g)
+            for lo in range(0, m.numel(), c):
+                hi = min(m.numel(), lo + c)
+                buf = staging.narrow(0, 0, hi - lo)
+                self._copy_partition_grads(g, lo, hi, whole, buf)
+                norms.append(torch.linalg.vector_norm(buf))
+        return torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
+
+    def _fill_master_grad(self, m, lo, hi, out):
+        g = self._master_group[id(m)]
+        self._copy_partition_grads(g, lo, hi, self._whole_grads(g), out)
+
+    def _copy_back_chunk(self, m, lo, hi):
+        """Masters ``[lo, hi)`` of the partition into this rank's 16-bit parameter storage."""
+        g = self._master_group[id(m)]
+        flat = self.param_flats[g]
+        if self.n_parts == 1:
+            flat.narrow(0, lo, hi - lo).copy_(m.narrow(0, lo, hi - lo))
+            return
+        for b in self.layouts[g].buckets:
+            a, z = max(lo, b.part_start), min(hi, b.part_start + b.chunk)
+            if a < z:
+                flat.narrow(0, b.chunk_range(self.part_rank)[0] + a - b.part_start, z - a).copy_(m.narrow(0, a, z - a))
 
     def _grad_chunks(self, g):
         """This rank's reduced gradients of group ``g``, one tensor per bucket, partition order."""
@@ -339,7 +406,7 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
                     t.grad = c
                     grads.append(c)
                 continue
-            whole = self.part_grads[g] if self.partition_grads else (self.grad_bufs[g] if self.n_parts == 1 else None)
+            whole = self._whole_grads(g)
             for t, (a, b) in zip(self.opt_tensors[g], self.segments[g]):
                 if whole is not None and whole.dtype == torch.float32 and whole.device == m.device:
                     t.grad = whole.narrow(0, a, b - a)
@@ -348,6 +415,11 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
                     self._copy_partition_grads(g, a, b, whole, t.grad)
                 grads.append(t.grad)
         return grads
+
+    def _whole_grads(self, g):
+        """This rank's reduced gradients of group ``g`` as one tensor indexed by partition
+        offset, where one exists (stage 2's partition, or the whole buffer at one part)."""
+        return self.part_grads[g] if self.partition_grads else (self.grad_bufs[g] if self.n_parts == 1 else None)
 
     def _copy_partition_grads(self, g, a, b, whole, out):
         """Reduced gradients of partition range ``[a, b)`` into ``out`` (cast, maybe to the host)."""
@@ -364,10 +436,9 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
             for t in ts:
                 t.grad = None
 
-    def _overflow_and_sq_norm(self, grads):
-        """One collective: (any rank non-finite?, squared norm of the summed gradients)."""
-        sq = (torch.stack(torch._foreach_norm(grads, 2.0)).double().pow(2).sum() if grads
-              else torch.zeros((), dtype=torch.float64))
+    def _overflow_and_sq_norm(self, sq):
+        """One collective: (any rank non-finite?, squared norm of the summed gradients),
+        from this rank's local squared norm ``sq`` (float64)."""
         flag = 0.0 if math.isfinite(sq.item()) else 1.0
         mpu = self.ctx.mpu
         mp_split = mpu is not None and mpu.get_model_parallel_world_size() > 1
