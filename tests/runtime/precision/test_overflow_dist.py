@@ -1,5 +1,8 @@
 """fp16 overflow on one rank skips the step on every rank, at stages 0, 1 and 2 (2 ranks);
-then a checkpoint taken after the overflows resumes bit-identically (scaler included)."""
+then a checkpoint taken after the overflows resumes bit-identically (scaler included).
+Run with torch's AdamW (the whole-buffer step) and with DeepSpeed's FusedAdam (the
+streamed step, see ``flat_master.py``)."""
+import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
@@ -8,15 +11,16 @@ from tests.helpers.models import global_batches, make_model, micro_slice
 MB = 2
 
 
-def _engine(stage, seed=0):
+def _engine(stage, seed=0, opt="torch"):
     import deepspeed
+    from deepspeed.ops.adam import FusedAdam
     cfg = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": 2, "steps_per_print": 0,
            "gradient_clipping": 1.0,
            "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 2, "loss_scale_window": 1000},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 40}}
     engine, *_ = deepspeed.initialize(
         model=make_model(seed=seed), config=cfg,
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        optimizer=(lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if opt == "torch" else (lambda ps: FusedAdam(ps, lr=1e-2)),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
     return engine
 
@@ -39,17 +43,18 @@ def _step(engine, rank, world_size, batch, inject):
             "epoch": engine.lr_scheduler.last_epoch}
 
 
-def _body(rank, world_size, ckpt_root):
+def _body(rank, world_size, ckpt_root, opt):
     out = {}
     batches = global_batches(8, MB * 2 * world_size)
     for stage in (0, 1, 2):
-        engine = _engine(stage)
+        engine = _engine(stage, opt=opt)
+        assert engine.optimizer._use_streamed_step() == (opt == "fused")
         inject_on = [(i, rank == 0 and i in (1, 2)) for i in range(6)]   # rank 0 only, steps 2 and 3
         trace = [_step(engine, rank, world_size, batches[i], inj) for i, inj in inject_on[:4]]
         d = f"{ckpt_root}/stage{stage}"
         engine.save_checkpoint(d)
         trace += [_step(engine, rank, world_size, batches[i], False) for i in range(4, 8)]
-        resumed = _engine(stage, seed=5)
+        resumed = _engine(stage, seed=5, opt=opt)
         resumed.load_checkpoint(d)
         again = [_step(resumed, rank, world_size, batches[i], False) for i in range(4, 8)]
         out[stage] = {"trace": trace, "again": again,
@@ -57,8 +62,9 @@ def _body(rank, world_size, ckpt_root):
     return out
 
 
-def test_overflow_on_one_rank_skips_everywhere_and_resume_is_exact(tmp_path):
-    res = run_distributed(_body, 2, args=(str(tmp_path),), timeout=240)
+@pytest.mark.parametrize("opt", ["torch", "fused"])
+def test_overflow_on_one_rank_skips_everywhere_and_resume_is_exact(tmp_path, opt):
+    res = run_distributed(_body, 2, args=(str(tmp_path), opt), timeout=240)
     for stage in (0, 1, 2):
         for r in res:
             t = r[stage]["trace"]
