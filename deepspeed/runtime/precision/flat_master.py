@@ -344,8 +344,10 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
     # of small launches, and the caching allocator has no page faults).
     _STREAM_CHUNK = 1 << 18  # elements: a 1 MiB fp32 staging buffer, about one core's L2
 
+    _streamed = None  # decided at the first step (the inner optimizer exists by then)
+
     def _use_streamed_step(self) -> bool:
-        if getattr(self, "_streamed", None) is None:
+        if self._streamed is None:
             masters = [m for m in self.masters if m is not None]
             self._streamed = bool(
                 masters and len(masters) == len(self.masters) and self.grad_dtype != torch.float32
@@ -387,7 +389,8 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
         for b in self.layouts[g].buckets:
             a, z = max(lo, b.part_start), min(hi, b.part_start + b.chunk)
             if a < z:
-                flat.narrow(0, b.chunk_range(self.part_rank)[0] + a - b.part_start, z - a).copy_(m.narrow(0, a, z - a))
+                at = b.chunk_range(self.part_rank)[0] + a - b.part_start   # where part offset a sits in flat
+                flat.narrow(0, at, z - a).copy_(m.narrow(0, a, z - a))
 
     def _grad_chunks(self, g):
         """This rank's reduced gradients of group ``g``, one tensor per bucket, partition order."""

@@ -20,7 +20,8 @@ def _engine(stage, seed=0, opt="torch"):
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 40}}
     engine, *_ = deepspeed.initialize(
         model=make_model(seed=seed), config=cfg,
-        optimizer=(lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if opt == "torch" else (lambda ps: FusedAdam(ps, lr=1e-2)),
+        optimizer=((lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if opt == "torch"
+                   else (lambda ps: FusedAdam(ps, lr=1e-2))),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
     return engine
 
