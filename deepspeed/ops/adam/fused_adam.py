@@ -182,22 +182,24 @@ class FusedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_streamed(self, fill_grad: Callable, staging: torch.Tensor, after_chunk: Optional[Callable] = None,
-                      grad_mult: float = 1.0):
+                      grad_mult: float = 1.0, params: Optional[list] = None):
         """The same update as :meth:`step`, one cache-sized chunk at a time, with gradients
         that are never materialised whole: ``fill_grad(p, lo, hi, out)`` writes the
         gradient of ``p[lo:hi]`` into ``out`` (a prefix of ``staging``), the chunk is
         updated with the gradient times ``grad_mult`` (inside the fused kernel, no extra
         pass), then ``after_chunk(p, lo, hi)`` runs while it is still in cache. Adam is
         elementwise, so the result equals one whole-tensor step. ``p.grad`` is not read.
+        ``params``: step only these (by identity; default every parameter).
         """
         chunk = staging.numel()
+        only = None if params is None else {id(p) for p in params}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             hp = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                       weight_decay=float(group["weight_decay"]), bias_correction=group["bias_correction"])
             for p in group["params"]:
                 n = p.numel()
-                if n == 0:
+                if n == 0 or (only is not None and id(p) not in only):
                     continue
                 state = self._init_state(p)
                 state["step"].add_(1.0)

@@ -16,7 +16,10 @@ tensors and every parameter's ``ds_tensor`` becomes a view into the first:
 
 The optimizer sees one tensor per chunk. The step runs chunk waves of at most
 ``sub_group_size`` elements, so the fp32 gradient copies mixed precision needs
-are bounded by that size.
+are bounded by that size. On the host, with DeepSpeed's Adam, there are no such
+copies: the 16-bit gradients are cast a cache-sized slice at a time into a small
+staging buffer, for the norm and again for the update (``FusedAdam.step_streamed``,
+the same streamed step as the flat strategies of ``runtime/precision/flat_master.py``).
 """
 from __future__ import annotations
 
@@ -55,6 +58,9 @@ def _chunk_params(params, sub_group_size):
 
 
 class MasterPartitions:
+    stream_chunk = 1 << 18   # elements per slice of the streamed step (a 1 MiB fp32 staging buffer)
+    streamed = None          # whether the step streams; decided at the first step
+
     def __init__(self, groups, *, dtype, grad_dtype, opt_device, share_master: bool, sub_group_size: int,
                  pin_memory: bool = False):
         self.dtype = dtype
@@ -136,13 +142,27 @@ class MasterPartitions:
             by_device.setdefault(g.device, []).append(g)
         for dev, gs in by_device.items():
             if dev.type == "cpu":
-                # one chunk cast at a time: no whole fp32 copy of the 16-bit gradients at once
-                # (torch's fp32-accumulating norm of bf16/fp16 runs ~10x slower on the CPU)
-                norms = [torch.linalg.vector_norm(g if g.dtype == _FP32 else g.float()) for g in gs]
+                norms = self._host_norms(gs)
             else:
                 norms = torch._foreach_norm(gs, 2.0, dtype=_FP32)   # one fused launch, no copies
             total += torch.stack(norms).double().pow(2).sum().cpu()  # one sync per device
         return total
+
+    def _host_norms(self, grads):
+        """L2 norms of host gradients, 16-bit ones cast a slice at a time into one small
+        staging buffer (no whole fp32 copy; torch's fp32-accumulating norm of bf16/fp16
+        runs ~10x slower on the CPU than cast + norm)."""
+        low = [g for g in grads if g.dtype != _FP32]
+        staging = torch.empty(min(self.stream_chunk, max(g.numel() for g in low)), dtype=_FP32) if low else None
+        norms = []
+        for g in grads:
+            if g.dtype == _FP32:
+                norms.append(torch.linalg.vector_norm(g))
+                continue
+            for lo in range(0, g.numel(), staging.numel()):
+                n = min(staging.numel(), g.numel() - lo)
+                norms.append(torch.linalg.vector_norm(staging[:n].copy_(g[lo:lo + n])))
+        return norms
 
     # -- update ----------------------------------------------------------------------------
     def step(self, optimizer, coef: float) -> None:
@@ -158,7 +178,29 @@ class MasterPartitions:
         if wave:
             self._step_wave(optimizer, wave, coef)
 
+    def _use_streamed(self, optimizer) -> bool:
+        if self.streamed is None:
+            self.streamed = bool(
+                self.chunks and callable(getattr(optimizer, "step_streamed", None))
+                and optimizer.supports_streamed_step()
+                and all(c.grad.dtype != _FP32 and c.master is not c.lp
+                        and c.grad.device.type == c.master.device.type == c.lp.device.type == "cpu"
+                        for c in self.chunks))
+        return self.streamed
+
     def _step_wave(self, optimizer, wave, coef) -> None:
+        if self._use_streamed(optimizer):
+            by_master = {id(c.master): c for c in wave}
+
+            def fill(m, lo, hi, out):
+                out.copy_(by_master[id(m)].grad[lo:hi])
+
+            def copy_back(m, lo, hi):
+                by_master[id(m)].lp[lo:hi].copy_(m[lo:hi])
+
+            staging = torch.empty(min(self.stream_chunk, max(c.numel for c in wave)), dtype=_FP32)
+            optimizer.step_streamed(fill, staging, copy_back, grad_mult=coef, params=[c.master for c in wave])
+            return
         for c in wave:
             g = c.grad
             if g.dtype != _FP32 or g.device != c.master.device:
