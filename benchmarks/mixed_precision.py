@@ -11,6 +11,9 @@ Timed (median over steps after warm-up, one process, gradients already in place)
   is copied into the 16-bit parameters while still in cache;
 * ``flat_full_step_whole_grad_copy``: the same step with one whole transient fp32 copy of
   the gradients, a separate multiply and a separate copy-back (the CUDA path);
+* ``stage3_step_streamed`` / ``stage3_step_whole_grad_copy``: the optimizer step of ZeRO
+  stage 3 (one process, bf16, same model) streamed, and with whole fp32 gradient copies
+  for the norm and the update (timed alone, after a fresh backward each round);
 * ``flat_full_step_grad_accum_fp32``: the same with ``data_types.grad_accum_dtype: fp32``
   (gradients kept in fp32, so no transient copy; 18 bytes per parameter);
 * ``torch_adamw_per_param`` (foreach off, PyTorch's CPU default), ``..._foreach`` and
@@ -56,6 +59,35 @@ def _engine(prec, accum=None):
     engine.step()                                # creates the Adam state
     engine.backward(engine(x, y))                # leaves reduced gradients in the flat buffer
     return engine
+
+
+def _stage3_step_ms(rounds: int) -> dict:
+    """ZeRO stage 3 (one process, bf16, config AdamW): the optimizer step alone, streamed
+    vs with whole fp32 gradient copies, timed in alternating rounds after a fresh backward."""
+    import time
+    import deepspeed
+
+    def make(streamed):
+        torch.manual_seed(0)
+        cfg = {"train_micro_batch_size_per_gpu": MB, "steps_per_print": 0, "gradient_clipping": 1.0,
+               "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+               "zero_optimization": {"stage": 3}}
+        eng, *_ = deepspeed.initialize(model=BenchModel(D, LAYERS), config=cfg)
+        if not streamed:
+            eng.strategy.parts.streamed = False
+        return eng
+    engines = {"stage3_step_streamed": make(True), "stage3_step_whole_grad_copy": make(False)}
+    x, y = torch.randn(MB, D, dtype=torch.bfloat16), torch.randn(MB, 16, dtype=torch.bfloat16)
+    times = {k: [] for k in engines}
+    for r in range(rounds + 2):
+        for k, eng in engines.items():
+            eng.backward(eng(x, y))
+            t0 = time.perf_counter()
+            eng.step()
+            if r >= 2:  # two warm-up rounds
+                times[k].append(time.perf_counter() - t0)
+    assert engines["stage3_step_streamed"].strategy.parts.streamed
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def state_bytes_per_param(engine) -> float:
@@ -143,6 +175,7 @@ def main():
                 opt._attach_master_grads()
             times[k].append(median_time(fn, args.steps, args.warmup))
     t = {k: statistics.median(v) for k, v in times.items()}
+    s3 = _stage3_step_ms(max(8, args.rounds * 2))
 
     bpp = {"fp16": state_bytes_per_param(_engine("fp16")), "bf16": state_bytes_per_param(engine),
            "bf16_grad_accum_fp32": state_bytes_per_param(engine32)}
@@ -153,12 +186,14 @@ def main():
                       "param_tensors": len(ref_params), "optimizer": type(opt.inner).__name__ + " (config AdamW)",
                       "threads": args.threads, "steps": args.steps, "rounds": args.rounds, "device": "cpu",
                       "precision": "bf16"},
-           "step_ms": {k: round(v * 1e3, 3) for k, v in t.items()},
+           "step_ms": {**{k: round(v * 1e3, 3) for k, v in t.items()}, **{k: round(v, 3) for k, v in s3.items()}},
            "ratios": {"flat_inner_adamw_vs_best_torch_per_param": round(t["flat_inner_adamw"] / best_ref, 3),
                       "flat_full_step_vs_torch_per_param_mixed_full_step":
                           round(t["flat_full_step"] / t["torch_per_param_mixed_full_step"], 3),
                       "flat_full_step_vs_whole_grad_copy":
-                          round(t["flat_full_step"] / t["flat_full_step_whole_grad_copy"], 3)},
+                          round(t["flat_full_step"] / t["flat_full_step_whole_grad_copy"], 3),
+                      "stage3_step_streamed_vs_whole_grad_copy":
+                          round(s3["stage3_step_streamed"] / s3["stage3_step_whole_grad_copy"], 3)},
            "bytes_per_param": {k: round(v, 4) for k, v in bpp.items()},
            "bytes_per_param_formula": {"fp16": 16, "bf16": 16, "bf16_grad_accum_fp32": 18}}
     print(json.dumps(out))
