@@ -23,6 +23,7 @@ from ..utils.logging import log_dist, logger
 from ..utils.timer import NoopTimer, SynchronizedWallClockTimer, ThroughputTimer
 from .checkpoint.engine_checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from .dataloader import DeepSpeedDataLoader
+from .engine_queries import EngineConfigQueries
 from .strategy import StrategyContext
 from .strategy_factory import build_strategy
 
@@ -40,7 +41,7 @@ def _normalize_param_groups(model, model_parameters):
     return [{"params": items}]
 
 
-class DeepSpeedEngine(torch.nn.Module):
+class DeepSpeedEngine(EngineConfigQueries, torch.nn.Module):
     """Wraps a model for training as configured. See ``deepspeed.initialize``."""
 
     def __init__(self, args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -292,38 +293,6 @@ class DeepSpeedEngine(torch.nn.Module):
     def config(self) -> dict:
         return self.config_obj.to_dict()
 
-    def train_batch_size(self) -> int:
-        return self.config_obj.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config_obj.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config_obj.gradient_accumulation_steps
-
-    def set_train_batch_size(self, train_batch_size: int) -> None:
-        mb, ws = self.train_micro_batch_size_per_gpu(), self.dp_world_size
-        if train_batch_size % (mb * ws):
-            raise ValueError(f"train_batch_size {train_batch_size} must be divisible by micro batch "
-                             f"{mb} * data-parallel world size {ws}.")
-        self.config_obj.gradient_accumulation_steps = train_batch_size // (mb * ws)
-        self.config_obj.train_batch_size = train_batch_size
-
-    def zero_optimization_stage(self) -> int:
-        return self.config_obj.zero_optimization_stage
-
-    def zero_optimization(self) -> bool:
-        return self.config_obj.zero_enabled
-
-    def fp16_enabled(self) -> bool:
-        return self.config_obj.fp16_enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config_obj.bfloat16_enabled
-
-    def gradient_clipping(self) -> float:
-        return self.config_obj.gradient_clipping
-
     def get_lr(self):
         if self.optimizer is None:
             return []
@@ -361,7 +330,31 @@ class DeepSpeedEngine(torch.nn.Module):
         return load_engine_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                       load_optimizer_states=load_optimizer_states,
                                       load_lr_scheduler_states=load_lr_scheduler_states,
-                                      load_module_only=load_module_only)
+                                      load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+
+    def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, fetch_z3_params=False):
+        """Load full module weights into the engine (re-partitioned at stage 3) and refresh
+        the fp32 masters from them. ``checkpoint``: a checkpoint dict with the weights under
+        ``"module"`` (DeepSpeed's form) or a plain state dict. ``custom_load_fn(src=, dst=)``
+        replaces the ``load_state_dict`` call (not at stage 3, whose parameters are
+        partitioned)."""
+        sd = checkpoint["module"] if isinstance(checkpoint, dict) and isinstance(checkpoint.get("module"), dict) \
+            else checkpoint
+        self._load_module_weights(sd, strict, custom_load_fn)
+        self.strategy.after_module_load()
+
+    def _load_module_weights(self, sd, strict=True, custom_load_fn=None) -> None:
+        if not isinstance(sd, dict):
+            raise TypeError(f"load_module_state_dict: expected a state dict (or a checkpoint dict with a "
+                            f"'module' entry), got {type(sd).__name__}.")
+        if custom_load_fn is None:
+            self.strategy.load_module_state_dict(sd, strict=strict)
+            return
+        if self.zero_optimization_partition_weights():
+            raise ValueError("custom_load_fn cannot be used with zero_optimization.stage 3: the module's "
+                             "parameters are partitioned. Load without it (the weights are re-partitioned), "
+                             "or modify them inside deepspeed.zero.GatheredParameters(..., modifier_rank=0).")
+        custom_load_fn(src=sd, dst=self.module)
 
     def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
         return self.strategy.module_state_dict()

@@ -135,7 +135,7 @@ def save_engine_checkpoint(engine, save_dir: str, tag=None, client_state=None, s
 
 def load_engine_checkpoint(engine, load_dir: str, tag=None, load_module_strict=True,
                            load_optimizer_states=True, load_lr_scheduler_states=True,
-                           load_module_only=False):
+                           load_module_only=False, custom_load_fn=None):
     if tag is None:
         tag = read_latest_tag(load_dir)
         if tag is None:
@@ -147,7 +147,7 @@ def load_engine_checkpoint(engine, load_dir: str, tag=None, load_module_strict=T
     missing = {"module", "global_steps"} - set(state)
     if missing:
         raise CheckpointError(f"'{reader.path}' is not a deepspeed checkpoint: missing {sorted(missing)}.")
-    engine.strategy.load_module_state_dict(state["module"], strict=load_module_strict)
+    engine._load_module_weights(state["module"], strict=load_module_strict, custom_load_fn=custom_load_fn)
     if load_module_only:
         engine.strategy.after_module_load()
         return reader.path, state.get("client_state", {})

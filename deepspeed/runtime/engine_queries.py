@@ -1,0 +1,194 @@
+"""DeepSpeed's engine accessors for configuration values.
+
+Ecosystem code (Hugging Face Accelerate and Transformers, Megatron-style trainers) calls
+them on the engine (``engine.zero_reduce_bucket_size()``, ``engine.steps_per_print()``,
+``engine.get_batch_info()``, ...). Each reads the typed config parsed once at
+``initialize`` (``engine.config_obj``); none parses or stores anything of its own.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class EngineConfigQueries:
+    """Mixed into :class:`~deepspeed.runtime.engine.DeepSpeedEngine`."""
+
+    # -- batch -----------------------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.config_obj.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config_obj.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config_obj.gradient_accumulation_steps
+
+    def get_batch_info(self) -> Tuple[int, int, int]:
+        """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)."""
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size by changing the accumulation steps (the micro batch
+        and the world size stay)."""
+        mb, ws = self.train_micro_batch_size_per_gpu(), self.dp_world_size
+        if not isinstance(train_batch_size, int) or train_batch_size < 1 or train_batch_size % (mb * ws):
+            raise ValueError(f"set_train_batch_size: train_batch_size {train_batch_size!r} must be a positive "
+                             f"multiple of train_micro_batch_size_per_gpu ({mb}) * data-parallel world size ({ws}).")
+        self.config_obj.gradient_accumulation_steps = train_batch_size // (mb * ws)
+        self.config_obj.train_batch_size = train_batch_size
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Change the micro batch size, keeping the accumulation steps (so the global batch
+        size changes with it)."""
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"set_train_micro_batch_size: micro_batch_size must be a positive integer, "
+                             f"got {micro_batch_size!r}.")
+        self.config_obj.train_micro_batch_size_per_gpu = micro_batch_size
+        self.config_obj.train_batch_size = micro_batch_size * self.gradient_accumulation_steps() * self.dp_world_size
+
+    # -- precision ---------------------------------------------------------------------------
+    def fp16_enabled(self) -> bool:
+        return self.config_obj.fp16_enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config_obj.bfloat16_enabled
+
+    def amp_enabled(self) -> bool:
+        return self.config_obj.model.amp.enabled   # always False: amp is refused at initialize
+
+    def fp16_auto_cast(self) -> bool:
+        return self.config_obj.fp16.auto_cast
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.fp16_enabled() and self.config_obj.fp16.loss_scale == 0
+
+    def initial_dynamic_scale(self) -> float:
+        return float(2 ** self.config_obj.fp16.initial_scale_power)
+
+    def communication_data_type(self) -> Optional[torch.dtype]:
+        name = self.config_obj.model.communication_data_type
+        return _DTYPES[name] if name in _DTYPES else None
+
+    def get_data_types(self) -> Tuple[torch.dtype, torch.dtype]:
+        """(model dtype, gradient accumulation dtype)."""
+        model = torch.float16 if self.fp16_enabled() else torch.bfloat16 if self.bfloat16_enabled() else torch.float32
+        accum = self.config_obj.model.data_types.grad_accum_dtype
+        return model, _DTYPES[accum] if accum else model
+
+    # -- gradients ---------------------------------------------------------------------------
+    def gradient_clipping(self) -> float:
+        return self.config_obj.gradient_clipping
+
+    def prescale_gradients(self) -> bool:
+        return self.config_obj.model.prescale_gradients
+
+    def postscale_gradients(self) -> bool:
+        return not self.prescale_gradients()
+
+    def gradient_predivide_factor(self) -> float:
+        return self.config_obj.model.gradient_predivide_factor
+
+    def sparse_gradients_enabled(self) -> bool:
+        return self.config_obj.model.sparse_gradients
+
+    # -- ZeRO --------------------------------------------------------------------------------
+    def zero_optimization(self) -> bool:
+        return self.config_obj.zero_enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self.config_obj.zero_optimization_stage
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() >= 3
+
+    def zero_offload_optimizer(self):
+        return self.config_obj.zero.offload_optimizer
+
+    def zero_offload_param(self):
+        return self.config_obj.zero.offload_param
+
+    def zero_cpu_offload(self) -> bool:
+        return self.config_obj.zero.offload_optimizer_device == "cpu"
+
+    def zero_reduce_bucket_size(self) -> int:
+        return self.config_obj.zero.reduce_bucket_size
+
+    def zero_allgather_bucket_size(self) -> int:
+        return self.config_obj.zero.allgather_bucket_size
+
+    def zero_reduce_scatter(self) -> bool:
+        return self.config_obj.zero.reduce_scatter
+
+    def zero_overlap_comm(self) -> bool:
+        """The effective value: unset means on for stages 0 and 3, off for 1 and 2."""
+        z = self.config_obj.zero
+        return z.overlap_comm if z.overlap_comm is not None else z.stage in (0, 3)
+
+    def zero_contiguous_gradients(self) -> bool:
+        return self.config_obj.zero.contiguous_gradients
+
+    def zero_sub_group_size(self) -> int:
+        return self.config_obj.zero.sub_group_size
+
+    def zero_max_live_parameters(self) -> int:
+        return self.config_obj.zero.max_live_parameters
+
+    def zero_max_reuse_distance(self) -> int:
+        return self.config_obj.zero.max_reuse_distance
+
+    def zero_prefetch_bucket_size(self) -> int:
+        return self.config_obj.zero.prefetch_bucket_size
+
+    def zero_param_persistence_threshold(self) -> int:
+        return self.config_obj.zero.param_persistence_threshold
+
+    def zero_model_persistence_threshold(self) -> int:
+        return self.config_obj.zero.model_persistence_threshold
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        z = self.config_obj.zero
+        return bool(z.gather_16bit_weights_on_model_save or z.stage3_gather_fp16_weights_on_model_save)
+
+    zero_gather_fp16_weights_on_model_save = zero_gather_16bit_weights_on_model_save
+
+    def zero_elastic_checkpoint(self) -> bool:
+        return self.config_obj.zero.elastic_checkpoint
+
+    def zero_load_from_fp32_weights(self) -> bool:
+        return self.config_obj.zero.load_from_fp32_weights
+
+    def zero_ignore_unused_parameters(self) -> bool:
+        return self.config_obj.zero.ignore_unused_parameters
+
+    # -- optimizer and schedule ----------------------------------------------------------------
+    def optimizer_name(self) -> Optional[str]:
+        return self.config_obj.optimizer_name
+
+    def optimizer_params(self) -> Optional[dict]:
+        return self.config_obj.optimizer_params
+
+    def scheduler_name(self) -> Optional[str]:
+        return self.config_obj.scheduler_name
+
+    def scheduler_params(self) -> Optional[dict]:
+        return self.config_obj.scheduler_params
+
+    # -- logging -----------------------------------------------------------------------------
+    def steps_per_print(self) -> int:
+        return self.config_obj.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config_obj.wall_clock_breakdown
+
+    def memory_breakdown(self) -> bool:
+        return self.config_obj.model.memory_breakdown
+
+    def dump_state(self) -> bool:
+        return self.config_obj.model.dump_state
