@@ -78,7 +78,7 @@ class ZeroSection(DSConfigModel):
     use_multi_rank_bucket_allreduce: bool = True
     allgather_partitions: bool = True
     allgather_bucket_size: int = Field(500_000_000, ge=1)
-    overlap_comm: Optional[bool] = None  # None: each stage's own default (on for 0 and 3)
+    overlap_comm: Optional[bool] = None  # None (unset): on, at every stage (see ``overlap``)
     load_from_fp32_weights: bool = True
     elastic_checkpoint: bool = False
     offload_param: Optional[OffloadParamSection] = None
@@ -123,6 +123,17 @@ class ZeroSection(DSConfigModel):
             object.__setattr__(self, "gather_16bit_weights_on_model_save",
                                bool(self.stage3_gather_fp16_weights_on_model_save))
         return self
+
+    @property
+    def overlap(self) -> bool:
+        """``overlap_comm`` as the engine applies it: on unless the config sets it false."""
+        return self.overlap_comm is not False
+
+    def reduce_bucket_size_or(self, default: int) -> int:
+        """``reduce_bucket_size`` when the config sets it, else ``default``: DeepSpeed's 5e8
+        default makes one bucket that cannot overlap backward, so each stage uses its own
+        measured default instead (see docs/data_parallel.md and docs/zero3.md)."""
+        return self.reduce_bucket_size if "reduce_bucket_size" in self.model_fields_set else default
 
     @property
     def offload_optimizer_device(self) -> str:

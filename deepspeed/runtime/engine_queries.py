@@ -118,7 +118,9 @@ class EngineConfigQueries:
         return self.config_obj.zero.offload_optimizer_device == "cpu"
 
     def zero_reduce_bucket_size(self) -> int:
-        return self.config_obj.zero.reduce_bucket_size
+        """The bucket size the engine uses: the configured one, or the stage's own default
+        when the config leaves it unset (not DeepSpeed's 5e8, see ``ZeroSection.reduce_bucket_size_or``)."""
+        return getattr(self.strategy, "reduce_bucket_size", self.config_obj.zero.reduce_bucket_size)
 
     def zero_allgather_bucket_size(self) -> int:
         return self.config_obj.zero.allgather_bucket_size
@@ -127,9 +129,8 @@ class EngineConfigQueries:
         return self.config_obj.zero.reduce_scatter
 
     def zero_overlap_comm(self) -> bool:
-        """The effective value: unset means on for stages 0 and 3, off for 1 and 2."""
-        z = self.config_obj.zero
-        return z.overlap_comm if z.overlap_comm is not None else z.stage in (0, 3)
+        """The effective value (unset means on)."""
+        return self.config_obj.zero.overlap
 
     def zero_contiguous_gradients(self) -> bool:
         return self.config_obj.zero.contiguous_gradients

@@ -42,7 +42,9 @@ def test_config_accessors_read_the_config():
     assert (e.zero_optimization(), e.zero_optimization_stage()) == (True, 2)
     assert e.zero_optimization_partition_gradients() and not e.zero_optimization_partition_weights()
     assert (e.zero_reduce_bucket_size(), e.zero_allgather_bucket_size(), e.zero_sub_group_size()) == (1234, 5678, 99)
-    assert (e.zero_contiguous_gradients(), e.zero_reduce_scatter(), e.zero_overlap_comm()) == (False, False, False)
+    # overlap_comm unset: on, as the stage-2 strategy really runs it
+    assert (e.zero_contiguous_gradients(), e.zero_reduce_scatter(), e.zero_overlap_comm()) == (False, False, True)
+    assert e.optimizer.overlap is True and e.optimizer.reduce_bucket_size == 1234
     assert e.zero_cpu_offload() and e.zero_offload_optimizer().device == "cpu" and e.zero_offload_param() is None
     assert (e.optimizer_name(), e.optimizer_params()) == ("adamw", {"lr": 0.01, "weight_decay": 0.1})
     assert (e.scheduler_name(), e.scheduler_params()) == ("WarmupLR", {"warmup_num_steps": 5})
@@ -54,6 +56,8 @@ def test_defaults_and_batch_setters():
     assert (e.zero_optimization(), e.zero_overlap_comm(), e.fp16_enabled(), e.dynamic_loss_scale()) \
         == (False, True, False, False)
     assert e.get_data_types() == (torch.float32, torch.float32) and e.communication_data_type() is None
+    # reduce_bucket_size unset: the 4M-element buckets stage 0 really uses, not DeepSpeed's 5e8
+    assert e.zero_reduce_bucket_size() == 2 ** 22
     assert (e.zero_max_live_parameters(), e.zero_max_reuse_distance(), e.zero_prefetch_bucket_size(),
             e.zero_param_persistence_threshold()) == (10**9, 10**9, 5 * 10**7, 10**5)   # documented defaults
     assert not e.zero_gather_16bit_weights_on_model_save() and e.zero_load_from_fp32_weights()

@@ -193,6 +193,9 @@ class FusedAdam(torch.optim.Optimizer):
         """
         chunk = staging.numel()
         only = None if params is None else {id(p) for p in params}
+        # the fused kernel divides the gradients by this as it reads them
+        grad_scale = None if grad_mult == 1.0 else \
+            torch.full((), 1.0 / grad_mult, dtype=torch.float32, device=staging.device)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             hp = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
@@ -209,7 +212,8 @@ class FusedAdam(torch.optim.Optimizer):
                     g = staging.narrow(0, 0, hi - lo)
                     fill_grad(p, lo, hi, g)
                     self._update_same_dtype([p.narrow(0, lo, hi - lo)], [g], [m.narrow(0, lo, hi - lo)],
-                                            [v.narrow(0, lo, hi - lo)], [state["step"]], grad_mult=grad_mult, **hp)
+                                            [v.narrow(0, lo, hi - lo)], [state["step"]], grad_scale=grad_scale,
+                                            **hp)
                     if after_chunk is not None:
                         after_chunk(p, lo, hi)
 
@@ -219,14 +223,11 @@ class FusedAdam(torch.optim.Optimizer):
                        lambda ps, gs: self._update_same_dtype(ps, gs, exp_avgs, exp_avg_sqs, steps, **hp))
 
     def _update_same_dtype(self, params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
-                           weight_decay, bias_correction, grad_mult: float = 1.0) -> None:
-        """``grad_mult``: the gradients are used multiplied by it (they are not modified on
-        the fused path, which divides by ``1 / grad_mult`` as it reads them)."""
+                           weight_decay, bias_correction, grad_scale: Optional[torch.Tensor] = None) -> None:
+        """``grad_scale`` (a scalar tensor): the gradients are used divided by it, without
+        being modified."""
         device = params[0].device
         if _fused_kernel_ok(params[0]) and (bias_correction or max(beta1, beta2) < 1.0):
-            scale = None
-            if grad_mult != 1.0:
-                scale = torch.full((), 1.0 / grad_mult, dtype=torch.float32, device=device)
             if bias_correction:
                 kernel_steps = [s if s.device == device else s.to(device) for s in steps]
             else:
@@ -234,10 +235,10 @@ class FusedAdam(torch.optim.Optimizer):
                 kernel_steps = [fake] * len(params)
             kernel = torch._fused_adamw_ if self.adam_w_mode else torch._fused_adam_
             kernel(params, grads, exp_avgs, exp_avg_sqs, [], kernel_steps, lr=lr, beta1=beta1, beta2=beta2,
-                   weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=scale)
+                   weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale)
             return
-        if grad_mult != 1.0:
-            grads = torch._foreach_mul(grads, grad_mult)
+        if grad_scale is not None:
+            grads = [g / grad_scale for g in grads]
         adam_foreach(params, grads, exp_avgs, exp_avg_sqs, [float(s) for s in steps], lr=lr, beta1=beta1,
                      beta2=beta2, eps=eps, weight_decay=weight_decay, adam_w_mode=self.adam_w_mode,
                      bias_correction=bias_correction)

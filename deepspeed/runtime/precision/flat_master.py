@@ -43,6 +43,7 @@ from .flat_state import FlatStateMixin
 from .grad_reduce import FullGradReducer, PartitionGradReducer, _Comm, transient_buffer
 from .inner_optimizer import build_inner_optimizer, user_param_groups
 from .loss_scaler import create_loss_scaler, warn_stuck_at_min_scale
+from .streamed import STREAM_CHUNK, sliced_norms, staging_buffer, sum_of_squares
 
 _ACCUM = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -96,7 +97,7 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
         self.rank = ctx.dp_rank
         self.n_parts = self.world if self.partition_master else 1
         self.part_rank = self.rank if self.partition_master else 0
-        self.overlap = z.overlap_comm is not False
+        self.overlap = z.overlap
         self.offload = z.offload_optimizer_device == "cpu"
         self.pin_memory = bool(self.offload and z.offload_optimizer.pin_memory)
         self.master_device = torch.device("cpu") if self.offload else torch.device(ctx.device)
@@ -108,8 +109,7 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
         # As at stage 0: one 5e8 bucket (the documented default) cannot overlap backward, so
         # unless the config sets reduce_bucket_size, buckets hold 4M elements.
         from ..zero.stage0 import STAGE0_DEFAULT_BUCKET
-        self.reduce_bucket_size = (z.reduce_bucket_size if "reduce_bucket_size" in z.model_fields_set
-                                   else STAGE0_DEFAULT_BUCKET)
+        self.reduce_bucket_size = z.reduce_bucket_size_or(STAGE0_DEFAULT_BUCKET)
         self.allgather_bucket_size = z.allgather_bucket_size
         self.skip_on_overflow = cfg.fp16_enabled or (cfg.bfloat16_enabled and cfg.bf16.check_grad_overflow)
         self.scaler = create_loss_scaler(cfg.fp16, cfg.fp16_enabled)
@@ -306,12 +306,12 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
             return StepOutcome()
         streamed = self._use_streamed_step()
         if streamed:
-            staging = transient_buffer(self._staging_numel(), torch.float32, self.masters[0].device)
-            local_sq = self._streamed_local_sq(staging)
+            staging = staging_buffer(max(m.numel() for m in self.masters), self.stream_chunk)
+            local_sq = sum_of_squares([n for g, m in enumerate(self.masters)
+                                       for n in sliced_norms(m.numel(), self._grad_filler(g), staging)])
         else:
             grads = self._attach_master_grads()
-            local_sq = (torch.stack(torch._foreach_norm(grads, 2.0)).double().pow(2).sum() if grads
-                        else torch.zeros((), dtype=torch.float64))
+            local_sq = sum_of_squares(list(torch._foreach_norm(grads, 2.0)) if grads else [])
         flag, sq = self._overflow_and_sq_norm(local_sq)
         if flag and self.skip_on_overflow:
             return self._skip_step()
@@ -334,16 +334,9 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
         self.last_grad_norm = norm
         return StepOutcome(skipped=False, grad_norm=norm)
 
-    # -- the streamed step: 16-bit gradients, fp32 masters in host memory ------------------
-    # A whole fp32 copy of the gradients would be written, read for the norm, scaled and
-    # read again by the update, and on the host each fresh multi-MiB buffer is also
-    # page-faulted in. Instead the 16-bit gradients are cast one cache-sized chunk at a
-    # time into a small staging buffer: once for the norm, once more for the update,
-    # which is followed at once by the copy of that chunk of masters into the 16-bit
-    # parameters. On CUDA the whole-buffer path stays (one kernel per op beats thousands
-    # of small launches, and the caching allocator has no page faults).
-    _STREAM_CHUNK = 1 << 18  # elements: a 1 MiB fp32 staging buffer, about one core's L2
-
+    # -- the streamed step (see .streamed): 16-bit gradients, fp32 masters in host memory --
+    # Each updated slice of masters is copied into the 16-bit parameters while in cache.
+    stream_chunk = STREAM_CHUNK
     _streamed = None  # decided at the first step (the inner optimizer exists by then)
 
     def _use_streamed_step(self) -> bool:
@@ -359,25 +352,14 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
             self._master_group = {id(m): g for g, m in enumerate(self.masters)}
         return self._streamed
 
-    def _staging_numel(self) -> int:
-        return max(1, min(self._STREAM_CHUNK, max(m.numel() for m in self.masters)))
-
-    def _streamed_local_sq(self, staging) -> torch.Tensor:
-        """Squared L2 norm of this rank's gradients, cast chunk by chunk into ``staging``."""
-        c = staging.numel()
-        norms = []
-        for g, m in enumerate(self.masters):
-            whole = self._whole_grads(g)
-            for lo in range(0, m.numel(), c):
-                hi = min(m.numel(), lo + c)
-                buf = staging.narrow(0, 0, hi - lo)
-                self._copy_partition_grads(g, lo, hi, whole, buf)
-                norms.append(torch.linalg.vector_norm(buf))
-        return torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
+    def _grad_filler(self, g):
+        """``fill(lo, hi, out)``: group ``g``'s reduced gradients ``[lo, hi)`` (partition
+        offsets) cast into ``out``."""
+        whole = self._whole_grads(g)
+        return lambda lo, hi, out: self._copy_partition_grads(g, lo, hi, whole, out)
 
     def _fill_master_grad(self, m, lo, hi, out):
-        g = self._master_group[id(m)]
-        self._copy_partition_grads(g, lo, hi, self._whole_grads(g), out)
+        self._grad_filler(self._master_group[id(m)])(lo, hi, out)
 
     def _copy_back_chunk(self, m, lo, hi):
         """Masters ``[lo, hi)`` of the partition into this rank's 16-bit parameter storage."""
@@ -462,9 +444,7 @@ class FlatMasterOptimizer(FlatStateMixin, TrainingStrategy, torch.optim.Optimize
             for f in frags:
                 if is_model_parallel_parameter(f.slot.param):
                     parts.append(self._fragment_grad(g, f).float())
-        if not parts:
-            return torch.zeros((), dtype=torch.float64)
-        return torch.stack(torch._foreach_norm(parts, 2.0)).double().pow(2).sum()
+        return sum_of_squares(list(torch._foreach_norm(parts, 2.0)) if parts else [])
 
     def _skip_step(self) -> StepOutcome:
         prev = self.scaler.cur_scale

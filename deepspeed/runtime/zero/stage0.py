@@ -160,10 +160,10 @@ class DataParallelStrategy(TrainingStrategy):
         # DeepSpeed's reduce_bucket_size default (5e8) makes one bucket, which cannot overlap
         # with backward; unless the config sets it, stage 0 uses 4M-element buckets
         # (measured on gloo: 0.71x the step time of one 5e8 bucket, see docs/data_parallel.md).
-        bucket = z.reduce_bucket_size if "reduce_bucket_size" in z.model_fields_set else STAGE0_DEFAULT_BUCKET
+        self.reduce_bucket_size = z.reduce_bucket_size_or(STAGE0_DEFAULT_BUCKET)
         self.bucketer = GradientBucketer(
-            self.params, bucket, ctx.dp_group, ctx.dp_world_size,
-            overlap=z.overlap_comm is not False, prescale=cfg.model.prescale_gradients,
+            self.params, self.reduce_bucket_size, ctx.dp_group, ctx.dp_world_size,
+            overlap=z.overlap, prescale=cfg.model.prescale_gradients,
             predivide=cfg.model.gradient_predivide_factor,
             dtype=comm_dtype(cfg.model.communication_data_type))
         # One process: nothing to reduce, so no per-parameter hooks at all.

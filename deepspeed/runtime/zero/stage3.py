@@ -96,9 +96,9 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3StateAccess, TrainingStrategy):  # noq
         # DeepSpeed's reduce_bucket_size default (5e8) would make one bucket holding every
         # gradient - a bound only in name - and one reduce-scatter that cannot overlap backward;
         # unless the config sets the key, buckets hold STAGE3_DEFAULT_BUCKET elements.
-        bucket = z.reduce_bucket_size if "reduce_bucket_size" in z.model_fields_set else STAGE3_DEFAULT_BUCKET
-        self.reducer = GradReducer(self.comm, bucket, self.parts.accumulate,
-                                   overlap=z.overlap_comm is not False,
+        self.reduce_bucket_size = z.reduce_bucket_size_or(STAGE3_DEFAULT_BUCKET)
+        self.reducer = GradReducer(self.comm, self.reduce_bucket_size, self.parts.accumulate,
+                                   overlap=z.overlap,
                                    comm_dtype=_comm_dtype(cfg.model.communication_data_type),
                                    predivide=cfg.model.gradient_predivide_factor,
                                    max_columns=sum(c.numel for c in self.parts.chunks))

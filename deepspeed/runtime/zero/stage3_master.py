@@ -18,12 +18,14 @@ The optimizer sees one tensor per chunk. The step runs chunk waves of at most
 ``sub_group_size`` elements, so the fp32 gradient copies mixed precision needs
 are bounded by that size. On the host, with DeepSpeed's Adam, there are no such
 copies: the 16-bit gradients are cast a cache-sized slice at a time into a small
-staging buffer, for the norm and again for the update (``FusedAdam.step_streamed``,
-the same streamed step as the flat strategies of ``runtime/precision/flat_master.py``).
+staging buffer, for the norm and again for the update (``FusedAdam.step_streamed``;
+see ``runtime/precision/streamed.py``, shared with the flat strategies).
 """
 from __future__ import annotations
 
 import torch
+
+from ..precision.streamed import STREAM_CHUNK, sliced_norms, staging_buffer, sum_of_squares
 
 _FP32 = torch.float32
 
@@ -58,7 +60,7 @@ def _chunk_params(params, sub_group_size):
 
 
 class MasterPartitions:
-    stream_chunk = 1 << 18   # elements per slice of the streamed step (a 1 MiB fp32 staging buffer)
+    stream_chunk = STREAM_CHUNK
     streamed = None          # whether the step streams; decided at the first step
 
     def __init__(self, groups, *, dtype, grad_dtype, opt_device, share_master: bool, sub_group_size: int,
@@ -145,7 +147,7 @@ class MasterPartitions:
                 norms = self._host_norms(gs)
             else:
                 norms = torch._foreach_norm(gs, 2.0, dtype=_FP32)   # one fused launch, no copies
-            total += torch.stack(norms).double().pow(2).sum().cpu()  # one sync per device
+            total += sum_of_squares(norms).cpu()  # one sync per device
         return total
 
     def _host_norms(self, grads):
@@ -153,15 +155,13 @@ class MasterPartitions:
         staging buffer (no whole fp32 copy; torch's fp32-accumulating norm of bf16/fp16
         runs ~10x slower on the CPU than cast + norm)."""
         low = [g for g in grads if g.dtype != _FP32]
-        staging = torch.empty(min(self.stream_chunk, max(g.numel() for g in low)), dtype=_FP32) if low else None
+        staging = staging_buffer(max(g.numel() for g in low), self.stream_chunk) if low else None
         norms = []
         for g in grads:
             if g.dtype == _FP32:
                 norms.append(torch.linalg.vector_norm(g))
-                continue
-            for lo in range(0, g.numel(), staging.numel()):
-                n = min(staging.numel(), g.numel() - lo)
-                norms.append(torch.linalg.vector_norm(staging[:n].copy_(g[lo:lo + n])))
+            else:
+                norms += sliced_norms(g.numel(), lambda lo, hi, out, g=g: out.copy_(g[lo:hi]), staging)
         return norms
 
     # -- update ----------------------------------------------------------------------------
@@ -198,7 +198,7 @@ class MasterPartitions:
             def copy_back(m, lo, hi):
                 by_master[id(m)].lp[lo:hi].copy_(m[lo:hi])
 
-            staging = torch.empty(min(self.stream_chunk, max(c.numel for c in wave)), dtype=_FP32)
+            staging = staging_buffer(max(c.numel for c in wave), self.stream_chunk)
             optimizer.step_streamed(fill, staging, copy_back, grad_mult=coef, params=[c.master for c in wave])
             return
         for c in wave:

@@ -77,7 +77,7 @@ def _body(rank, world_size):
             engine = build_engine(_config(stage, dtype))
             opt = engine.optimizer
             if streamed:
-                opt._STREAM_CHUNK = CHUNK
+                opt.stream_chunk = CHUNK
             else:
                 opt._streamed = False  # the whole-buffer path, for comparison
             run_steps(engine, rank, world_size, global_batches(N_STEPS, MB * GAS * world_size), dtype)
