@@ -214,9 +214,18 @@ class DeepSpeedConfig:
                 "torch_autocast.enabled cannot be combined with fp16.enabled or bf16.enabled: "
                 "torch_autocast keeps fp32 parameters and autocasts compute, fp16/bf16 hold 16-bit parameters.")
         z = m.zero_optimization
-        if z.offload_optimizer_device == "nvme" or z.offload_param_device == "nvme":
+        # ZeRO-Infinity NVMe swapping: each case is lifted where it is built.
+        if z.offload_optimizer_device == "nvme" and z.stage in (1, 2):  # NVME-OPT-12
             raise DeepSpeedConfigError(
-                "zero_optimization.offload_*.device 'nvme' (ZeRO-Infinity NVMe swapping) is not available "
+                "zero_optimization.offload_optimizer.device 'nvme' at stage 1/2 is not available "
+                "in this version of deepspeed; use device 'cpu'.")
+        if z.offload_optimizer_device == "nvme" and z.stage == 3:  # NVME-OPT-3
+            raise DeepSpeedConfigError(
+                "zero_optimization.offload_optimizer.device 'nvme' at stage 3 is not available "
+                "in this version of deepspeed; use device 'cpu'.")
+        if z.offload_param_device == "nvme" and z.stage == 3:  # NVME-PARAM-3
+            raise DeepSpeedConfigError(
+                "zero_optimization.offload_param.device 'nvme' is not available "
                 "in this version of deepspeed; use device 'cpu'.")
         if z.offload_param_device != "none" and z.stage != 3:
             # DeepSpeed parses the section and only stage 3 reads it; Accelerate writes it for any stage.
