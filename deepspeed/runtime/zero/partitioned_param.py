@@ -20,6 +20,7 @@ Attributes DeepSpeed's ecosystem reads: ``ds_id``, ``ds_shape``, ``ds_numel``,
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 
@@ -114,6 +115,28 @@ def convert_param(p: torch.nn.Parameter, spec: PartitionSpec, persist: bool = Fa
     else:
         p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         p.data = _placeholder(full.dtype, spec.device)
+
+
+@contextlib.contextmanager
+def resident_partitions(params, write_back: bool = False):
+    """Inside the block every parameter's ``ds_tensor`` holds its partition's data.
+
+    The one entry point for code that reads or writes partitions outside a gather (the
+    stage-3 master build and the copy of updated masters back into the partitions):
+    NVMe-backed partitions (``offload_param.device: nvme``) are read in on entry and, with
+    ``write_back``, written out again on exit, after which they may be evicted. Partitions
+    in memory (GPU, CPU) are untouched: then this is a no-op.
+    """
+    params = list(params)
+    hooks = {id(p._z3.swapper): p._z3.swapper for p in params
+             if is_zero_param(p) and getattr(p._z3, "swapper", None) is not None}
+    for sw in hooks.values():
+        sw.make_resident([p for p in params if getattr(p._z3, "swapper", None) is sw])
+    try:
+        yield
+    finally:
+        for sw in hooks.values():
+            sw.release_resident([p for p in params if getattr(p._z3, "swapper", None) is sw], write_back)
 
 
 def owned_range(p):
