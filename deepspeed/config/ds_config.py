@@ -219,10 +219,8 @@ class DeepSpeedConfig:
             raise DeepSpeedConfigError(
                 "zero_optimization.offload_optimizer.device 'nvme' at stage 1/2 is not available "
                 "in this version of deepspeed; use device 'cpu'.")
-        if z.offload_optimizer_device == "nvme" and z.stage == 3:  # NVME-OPT-3
-            raise DeepSpeedConfigError(
-                "zero_optimization.offload_optimizer.device 'nvme' at stage 3 is not available "
-                "in this version of deepspeed; use device 'cpu'.")
+        if z.offload_optimizer_device == "nvme" and z.stage == 3:  # stage 3: runtime/zero/stage3_nvme.py
+            check_nvme_path(z.offload_optimizer.nvme_path, "zero_optimization.offload_optimizer.nvme_path")
         if z.offload_param_device == "nvme" and z.stage == 3:  # NVME-PARAM-3
             raise DeepSpeedConfigError(
                 "zero_optimization.offload_param.device 'nvme' is not available "
@@ -340,6 +338,20 @@ class DeepSpeedConfig:
 
     def print(self, name="DeepSpeedConfig"):
         print(f"{name}:\n{json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)}")
+
+
+def check_nvme_path(path, key: str) -> None:
+    """An NVMe swap path must name an existing directory this process can write."""
+    if not path or not isinstance(path, str):
+        raise DeepSpeedConfigError(f"{key} is required when the device is 'nvme': set it to a writable directory "
+                                   f"on the NVMe drive (swap files go under <{key.rsplit('.', 1)[-1]}>/ds_swap/).")
+    full = os.path.abspath(path)
+    if not os.path.isdir(full):
+        raise DeepSpeedConfigError(f"{key} '{path}' is not an existing directory; create it, or point {key} at a "
+                                   f"writable directory on the NVMe drive.")
+    if not os.access(full, os.W_OK | os.X_OK):
+        raise DeepSpeedConfigError(f"{key} '{path}' is not writable by this process; point {key} at a writable "
+                                   f"directory on the NVMe drive.")
 
 
 def _warn(msg: str) -> None:

@@ -90,7 +90,8 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         self.clip = cfg.gradient_clipping
         self.comm = comm_for(ctx.dp_group)
         off_param = z.offload_param_device == "cpu"
-        off_opt = z.offload_optimizer_device == "cpu"
+        off_opt = z.offload_optimizer_device in ("cpu", "nvme")   # nvme: updated in host memory (stage3_nvme)
+        nvme_opt = z.offload_optimizer_device == "nvme"
         self.spec = PartitionSpec(self.comm, ctx.device, torch.device("cpu") if off_param else ctx.device,
                                   pin_memory=bool(off_param and z.offload_param.pin_memory))
         self.persistent = []
@@ -100,8 +101,11 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         self.parts = MasterPartitions(
             self.groups, dtype=self.dtype, grad_dtype=grad_dtype,
             opt_device=torch.device("cpu") if off_opt else ctx.device, share_master=(off_param == off_opt),
-            sub_group_size=z.sub_group_size, pin_memory=bool(off_opt and z.offload_optimizer.pin_memory))
+            sub_group_size=z.sub_group_size, pin_memory=bool(off_opt and z.offload_optimizer.pin_memory),
+            nvme=nvme_opt)
         self.inner = self._build_optimizer()
+        if nvme_opt:
+            self.parts.swap_to_nvme(self.inner, z.offload_optimizer, cfg.model.aio)
         self.optimizer = self if self.inner is not None else None
         self.spec.listeners.append(self._on_param_modified)
         self.scaler = create_loss_scaler(cfg.fp16, self.fp16)
@@ -444,6 +448,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         writer.write_text("zero_to_fp32.py", ZERO_TO_FP32_SCRIPT)
 
     def destroy(self) -> None:
+        self.parts.close()   # NVMe swap files
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []

@@ -13,7 +13,7 @@ import torch
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.universal import (FragmentIndex, apply_group_hyperparameters, load_state_keeping_groups,
-                                    make_rank_state, optim_file_name, split_param_state)
+                                    make_rank_state, optim_file_name)
 from .partitioned_param import owned_range
 
 
@@ -34,9 +34,8 @@ def stage3_rank_state(strategy, dp_rank: int, mp_rank: int) -> dict:
     opt = strategy.inner
     parts = strategy.parts
     params, group_scalars = {}, [dict() for _ in parts.group_hparams]
-    for c in parts.chunks:
-        state = opt.state.get(c.master, {}) if opt is not None else {}
-        per_elem, scalars = split_param_state(state, c.master.shape)
+    for ci, c in enumerate(parts.chunks):
+        master, per_elem, scalars = parts.chunk_state(ci, opt)   # read back from swap files with NVMe
         if scalars and not group_scalars[c.group]:
             group_scalars[c.group] = scalars
         for p, off in zip(c.params, c.offsets):
@@ -45,7 +44,7 @@ def stage3_rank_state(strategy, dp_rank: int, mp_rank: int) -> dict:
             if k <= 0:
                 continue
             params[names[id(p)]] = {"shape": list(p.ds_shape), "fragments": [{
-                "offset": lo, "numel": k, "fp32": c.master[off:off + k],
+                "offset": lo, "numel": k, "fp32": master[off:off + k],
                 "state": {key: v[off:off + k] for key, v in per_elem.items()}}]}
     groups = []
     live_groups = opt.param_groups if opt is not None else [dict(h) for h in parts.group_hparams]
@@ -83,12 +82,13 @@ def load_stage3_from_index(strategy, idx: FragmentIndex, where: str) -> None:
     for c in parts.chunks:
         keys = None
         per_elem = {}
+        master = parts.master_for_load(index)   # with NVMe: a chunk-sized copy, written to the swapper below
         for p, off, s in zip(c.params, c.offsets, c.sizes):
             name = names[id(p)]
             lo, hi = owned_range(p)
             k = hi - lo
             if from_fp32 and k > 0:
-                c.master[off:off + k].copy_(idx.read(name, "fp32", lo, k))
+                master[off:off + k].copy_(idx.read(name, "fp32", lo, k))
             if keys is None:
                 keys = idx.state_keys(name)
                 per_elem = {key: torch.zeros(c.numel, dtype=torch.float32) for key in keys}
@@ -103,6 +103,10 @@ def load_stage3_from_index(strategy, idx: FragmentIndex, where: str) -> None:
             for key, v in idx.group_state[c.group].items():
                 st[key] = v.clone() if torch.is_tensor(v) else torch.tensor(float(v))
             sd_state[index] = st
+        if parts.nvme is not None:   # per-element state to the swap files; scalars to the optimizer
+            parts.nvme.load_chunk(index, master, per_elem, where)
+            if index in sd_state:
+                sd_state[index] = {k: v for k, v in sd_state[index].items() if k not in per_elem}
         index += 1
     if not from_fp32:
         parts.refresh_master_from_partitions()

@@ -14,6 +14,10 @@ tensors and every parameter's ``ds_tensor`` becomes a view into the first:
 * ``grad``: the accumulated, averaged gradient partition (``data_types.grad_accum_dtype``,
   default the training dtype, as DeepSpeed documents), on the optimizer device.
 
+With ``offload_optimizer.device: nvme`` (``nvme=True``) ``master`` is a zero-element
+holder and the values, with the optimizer's per-element state, live in swap files
+(:mod:`.stage3_nvme`, attached by :meth:`MasterPartitions.swap_to_nvme`).
+
 The optimizer sees one tensor per chunk. The step runs chunk waves of at most
 ``sub_group_size`` elements, so the fp32 gradient copies mixed precision needs
 are bounded by that size. On the host, with DeepSpeed's Adam, there are no such
@@ -64,8 +68,10 @@ class MasterPartitions:
     streamed = None          # whether the step streams; decided at the first step
 
     def __init__(self, groups, *, dtype, grad_dtype, opt_device, share_master: bool, sub_group_size: int,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, nvme: bool = False):
         self.dtype = dtype
+        self.nvme = None                # NvmeMasters once swap_to_nvme ran
+        self._nvme_holders = bool(nvme)
         self.grad_dtype = grad_dtype
         self.opt_device = torch.device(opt_device)
         self.sub_group_size = int(sub_group_size)
@@ -92,7 +98,9 @@ class MasterPartitions:
             p.ds_tensor = view
             self.slot[id(p)] = (c, off, s)
         c.lp = lp
-        if share and self.dtype == _FP32 and dev == self.opt_device:
+        if self._nvme_holders:          # values go to the swapper in swap_to_nvme, chunk by chunk
+            c.master = torch.empty(0, dtype=_FP32, device=self.opt_device)
+        elif share and self.dtype == _FP32 and dev == self.opt_device:
             c.master = lp
         else:
             c.master = lp.to(device=self.opt_device, dtype=_FP32, copy=True)
@@ -101,6 +109,43 @@ class MasterPartitions:
         c.grad = torch.zeros(c.numel, dtype=self.grad_dtype, device=self.opt_device)
         if pin:
             c.grad = c.grad.pin_memory()
+
+    # -- NVMe-swapped masters (offload_optimizer.device: nvme) -------------------------------
+    def swap_to_nvme(self, optimizer, offload_optimizer, aio=None) -> None:
+        """Move every chunk's master and optimizer state into a swapper, one chunk at a time."""
+        from .stage3_nvme import NvmeMasters
+        if not self._nvme_holders:
+            raise RuntimeError("MasterPartitions was built without nvme=True")
+        nv = NvmeMasters(self, offload_optimizer, aio)
+        try:
+            nv.build(optimizer)
+        except BaseException:
+            nv.close()
+            raise
+        self.nvme = nv
+
+    def chunk_state(self, index: int, optimizer):
+        """(fp32 master, per-element optimizer state, scalar state) of chunk ``index`` (the
+        swapped ones read back as ordinary tensors with NVMe)."""
+        from ..checkpoint.universal import split_param_state
+        c = self.chunks[index]
+        state = optimizer.state.get(c.master, {}) if optimizer is not None else {}
+        per_elem, scalars = split_param_state(state, c.master.shape)
+        if self.nvme is None:
+            return c.master, per_elem, scalars
+        master, per_elem = self.nvme.chunk_state(index)
+        return master, per_elem, scalars
+
+    def master_for_load(self, index: int) -> torch.Tensor:
+        """The tensor a checkpoint load writes chunk ``index``'s fp32 master into."""
+        if self.nvme is None:
+            return self.chunks[index].master
+        return self.nvme._master_from_partitions(self.chunks[index])
+
+    def close(self) -> None:
+        """Delete the swap files (engine.destroy())."""
+        if self.nvme is not None:
+            self.nvme.close()
 
     # -- optimizer -------------------------------------------------------------------------
     def optimizer_groups(self):
@@ -127,6 +172,9 @@ class MasterPartitions:
         return c.grad[off:off + s]
 
     def master_view(self, p):
+        if self.nvme is not None:
+            raise RuntimeError("ZeRO-3 with offload_optimizer.device 'nvme': the fp32 masters live in swap files; "
+                               "there is no in-memory view of them (save a checkpoint to read them).")
         c, off, s = self.slot[id(p)]
         return c.master[off:off + s]
 
@@ -167,7 +215,11 @@ class MasterPartitions:
     # -- update ----------------------------------------------------------------------------
     def step(self, optimizer, coef: float) -> None:
         """Run the optimizer over chunk waves of at most sub_group_size elements; ``coef``
-        (loss-scale inverse times clip coefficient) is applied to the gradients first."""
+        (loss-scale inverse times clip coefficient) is applied to the gradients first.
+        With NVMe: one chunk at a time through the swapper's pipeline."""
+        if self.nvme is not None:
+            self.nvme.step(optimizer, coef, self._use_streamed(optimizer), self.stream_chunk)
+            return
         wave, n = [], 0
         for c in self.chunks:
             if wave and n + c.numel > self.sub_group_size:
@@ -216,6 +268,9 @@ class MasterPartitions:
 
     def refresh_master_from_partitions(self, params=None) -> None:
         """Copy partitions (e.g. just loaded or modified) into the fp32 master."""
+        if self.nvme is not None:
+            self.nvme.refresh_from_partitions(params)
+            return
         for c in self.chunks:
             if c.lp is c.master:
                 continue
@@ -228,6 +283,9 @@ class MasterPartitions:
                         c.master[off:off + s].copy_(c.lp[off:off + s])
 
     def copy_master_to_partitions(self) -> None:
+        if self.nvme is not None:
+            self.nvme.copy_to_partitions()
+            return
         for c in self.chunks:
             if c.lp is not c.master:
                 c.lp.copy_(c.master)
@@ -237,4 +295,7 @@ class MasterPartitions:
         lp = sum(c.lp.numel() * c.lp.element_size() for c in self.chunks)
         master = sum(c.master.numel() * 4 for c in self.chunks if c.master is not c.lp)
         grads = sum(c.grad.numel() * c.grad.element_size() for c in self.chunks)
-        return {"param_partitions": lp, "master": master, "grads": grads}
+        out = {"param_partitions": lp, "master": master, "grads": grads}
+        if self.nvme is not None:
+            out["nvme_swap_buffers"] = self.nvme.buffer_bytes()
+        return out
