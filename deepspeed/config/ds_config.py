@@ -215,16 +215,12 @@ class DeepSpeedConfig:
                 "torch_autocast keeps fp32 parameters and autocasts compute, fp16/bf16 hold 16-bit parameters.")
         z = m.zero_optimization
         # ZeRO-Infinity NVMe swapping: each case is lifted where it is built.
-        if z.offload_optimizer_device == "nvme" and z.stage in (1, 2):  # NVME-OPT-12
-            raise DeepSpeedConfigError(
-                "zero_optimization.offload_optimizer.device 'nvme' at stage 1/2 is not available "
-                "in this version of deepspeed; use device 'cpu'.")
+        if z.offload_optimizer_device == "nvme" and z.stage in (1, 2):  # stage 1/2: runtime/precision/nvme_master.py
+            check_nvme_path(z.offload_optimizer.nvme_path, "zero_optimization.offload_optimizer.nvme_path")
         if z.offload_optimizer_device == "nvme" and z.stage == 3:  # stage 3: runtime/zero/stage3_nvme.py
             check_nvme_path(z.offload_optimizer.nvme_path, "zero_optimization.offload_optimizer.nvme_path")
-        if z.offload_param_device == "nvme" and z.stage == 3:  # NVME-PARAM-3
-            raise DeepSpeedConfigError(
-                "zero_optimization.offload_param.device 'nvme' is not available "
-                "in this version of deepspeed; use device 'cpu'.")
+        if z.offload_param_device == "nvme" and z.stage == 3:  # stage 3: swap_tensor/partitioned_param_swapper.py
+            check_nvme_path(z.offload_param.nvme_path, "zero_optimization.offload_param.nvme_path")
         if z.offload_param_device != "none" and z.stage != 3:
             # DeepSpeed parses the section and only stage 3 reads it; Accelerate writes it for any stage.
             _warn(f"zero_optimization.offload_param (device '{z.offload_param_device}') only applies at "

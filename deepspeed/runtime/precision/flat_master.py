@@ -43,11 +43,12 @@ from .flat_state import FlatStateMixin
 from .grad_reduce import FullGradReducer, PartitionGradReducer, _Comm, transient_buffer
 from .inner_optimizer import InnerOptimizerFace, build_inner_optimizer, user_param_groups
 from .loss_scaler import create_loss_scaler, warn_stuck_at_min_scale
+from .nvme_master import NvmeMasters, NvmeStateAccess
 from .streamed import STREAM_CHUNK, sliced_norms, staging_buffer, sum_of_squares
 
 _ACCUM = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-class FlatMasterOptimizer(InnerOptimizerFace, FlatStateMixin, TrainingStrategy, torch.optim.Optimizer):
+class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, TrainingStrategy, torch.optim.Optimizer):
     """Strategy + optimizer over flat fp32 master weights (see the module docstring)."""
 
     stage = 0
@@ -61,9 +62,14 @@ class FlatMasterOptimizer(InnerOptimizerFace, FlatStateMixin, TrainingStrategy, 
         groups = user_param_groups(ctx)
         self._build_layouts(groups)
         self._build_parameter_storage()
+        # offload_optimizer.device nvme: masters and optimizer state in swap files, by sub-group (.nvme_master)
+        self._nvme = NvmeMasters(self) if ctx.config.zero.offload_optimizer_device == "nvme" else None
         self._build_gradient_storage()
         self.inner = build_inner_optimizer(ctx, [dict({k: v for k, v in g.items() if k != "params"},
                                                       params=list(ts)) for g, ts in zip(groups, self.opt_tensors)])
+        if self._nvme is not None and not self._nvme.attach(self.inner):
+            self._nvme = None       # no optimizer, nothing to swap: the masters stay in memory
+            self._segment_masters()
         self.optimizer = self if self.inner is not None else None
         self._hooks = [s.param.register_post_accumulate_grad_hook(partial(self._on_grad, s))
                        for lay in self.layouts for s in lay.slots]
@@ -101,7 +107,7 @@ class FlatMasterOptimizer(InnerOptimizerFace, FlatStateMixin, TrainingStrategy, 
         self.n_parts = self.world if self.partition_master else 1
         self.part_rank = self.rank if self.partition_master else 0
         self.overlap = z.overlap
-        self.offload = z.offload_optimizer_device == "cpu"
+        self.offload = z.offload_optimizer_device in ("cpu", "nvme")   # nvme: the update runs on the host too
         self.pin_memory = bool(self.offload and z.offload_optimizer.pin_memory)
         self.master_device = torch.device("cpu") if self.offload else torch.device(ctx.device)
         self.clip = cfg.gradient_clipping
@@ -324,6 +330,8 @@ class FlatMasterOptimizer(InnerOptimizerFace, FlatStateMixin, TrainingStrategy, 
     # overflow and the global norm once over several strategies before any of them steps.
     def prepare_step(self):
         """(streamed?, staging or master grads, local squared norm of the summed, scaled grads)."""
+        if self._nvme is not None:
+            return self._nvme.prepare_step()
         streamed = self._use_streamed_step()
         if streamed:
             staging = staging_buffer(max(m.numel() for m in self.masters), self.stream_chunk)
@@ -346,7 +354,11 @@ class FlatMasterOptimizer(InnerOptimizerFace, FlatStateMixin, TrainingStrategy, 
         post = self.predivide / self.average_over
         scale = self.scaler.cur_scale
         mult = post / scale * (clip_coef(norm, self.clip) if self.clip > 0 else 1.0)
-        if streamed:
+        if self._nvme is not None:   # sub-group by sub-group through the swapper, then all-gather
+            self._nvme.step(prep, mult)
+            if self.n_parts > 1:
+                self._all_gather_params()
+        elif streamed:
             self.inner.step_streamed(self._fill_master_grad, staging, self._copy_back_chunk, grad_mult=mult)
             if self.n_parts > 1:
                 self._all_gather_params()
@@ -390,16 +402,19 @@ class FlatMasterOptimizer(InnerOptimizerFace, FlatStateMixin, TrainingStrategy, 
 
     def _copy_back_chunk(self, m, lo, hi):
         """Masters ``[lo, hi)`` of the partition into this rank's 16-bit parameter storage."""
-        g = self._master_group[id(m)]
+        self._copy_partition_to_params(self._master_group[id(m)], lo, hi, m.narrow(0, lo, hi - lo))
+
+    def _copy_partition_to_params(self, g, lo, hi, src):
+        """``src`` (partition range ``[lo, hi)`` of group ``g``) into this rank's parameter storage."""
         flat = self.param_flats[g]
         if self.n_parts == 1:
-            flat.narrow(0, lo, hi - lo).copy_(m.narrow(0, lo, hi - lo))
+            flat.narrow(0, lo, hi - lo).copy_(src)
             return
         for b in self.layouts[g].buckets:
             a, z = max(lo, b.part_start), min(hi, b.part_start + b.chunk)
             if a < z:
                 at = b.chunk_range(self.part_rank)[0] + a - b.part_start   # where part offset a sits in flat
-                flat.narrow(0, at, z - a).copy_(m.narrow(0, a, z - a))
+                flat.narrow(0, at, z - a).copy_(src.narrow(0, a - lo, z - a))
 
     def _grad_chunks(self, g):
         """This rank's reduced gradients of group ``g``, one tensor per bucket, partition order."""
@@ -556,6 +571,8 @@ class FlatMasterOptimizer(InnerOptimizerFace, FlatStateMixin, TrainingStrategy, 
         return clone_tensors_for_torch_save(self.module.state_dict(), device=None)
 
     def destroy(self) -> None:
+        if self._nvme is not None:
+            self._nvme.close()   # deletes this run's swap files
         for h in self._hooks:
             h.remove()
         self._hooks = []

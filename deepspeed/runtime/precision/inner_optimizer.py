@@ -60,12 +60,12 @@ def _constructor_kwargs(cls, defaults: dict) -> dict:
 def build_inner_optimizer(ctx, groups: List[dict]) -> Optional[torch.optim.Optimizer]:
     """``groups``: the user's groups with ``params`` replaced by master tensors."""
     cfg = ctx.config
-    offload = cfg.zero.offload_optimizer_device == "cpu"
+    offload = cfg.zero.offload_optimizer_device in ("cpu", "nvme")   # nvme: the update runs on the host too
     if offload and ctx.client_optimizer is None and cfg.optimizer is not None:
         # the engine's factory for the config 'optimizer' section: with offload, DeepSpeed's CPU optimizers
         from ..optimizers import build_optimizer
         opt = build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups, cpu_offload=True)
-        where = "the config 'optimizer' section (with offload_optimizer.device cpu)"
+        where = f"the config 'optimizer' section (with offload_optimizer.device {cfg.zero.offload_optimizer_device})"
     elif ctx.optimizer_factory is not None:
         opt = ctx.optimizer_factory(groups)
         where = "the optimizer factory (config 'optimizer' section or callable passed to initialize)"
