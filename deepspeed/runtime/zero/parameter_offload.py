@@ -15,6 +15,10 @@ them after (ZeRO stage 3's parameter schedule).
   next modules' parameters, up to ``stage3_prefetch_bucket_size`` elements. When the
   order differs (a data-dependent branch) prediction stops for the rest of the step
   and the new order is recorded; correctness never depends on the trace.
+* NVMe (``offload_param.device: nvme``): the same prediction also submits the swap-in
+  reads of the upcoming partitions (up to ``stage3_prefetch_bucket_size`` elements, into
+  free swap buffers) without waiting; a prefetch gather takes only partitions already in
+  memory or read earlier, and the gather that needs a partition waits for its read.
 
 Forward run again inside backward (activation checkpointing) re-gathers through the
 same pre-forward hook and does not release (backward does).
@@ -77,6 +81,7 @@ class ParameterCoordinator:
         self.peak_live_numel = 0  # most gathered elements alive at once (transient memory)
         self.hooks = []
         self.names = {}
+        self.nvme = any(getattr(getattr(p, "_z3", None), "swapper", None) is not None for p in module.parameters())
         for name, m in module.named_modules():
             self.names[id(m)] = name or type(m).__name__
             self.hooks.append(m.register_forward_pre_hook(self._pre_forward))
@@ -151,8 +156,24 @@ class ParameterCoordinator:
 
     def _prefetch(self) -> None:
         budget = min(self.prefetch_bucket_size, self.max_live - self.live_numel())
-        if budget <= 0:
-            return
+        if budget > 0:
+            self._prefetch_gather(budget)
+        if self.nvme:
+            self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """Submit NVMe reads of the partitions the next modules need (no waiting)."""
+        n, budget = 0, self.prefetch_bucket_size
+        for j in range(self.cursor, min(len(self.trace), self.cursor + _WINDOW)):
+            for p in self.trace[j][2]:
+                sw = getattr(p._z3, "swapper", None)
+                if sw is None or p.ds_status != ZeroParamStatus.NOT_AVAILABLE or sw.is_available(p):
+                    continue
+                n += p.ds_tensor.numel()
+                if n > budget or sw.prefetch([p]) == 0:
+                    return
+
+    def _prefetch_gather(self, budget) -> None:
         todo, seen, n = [], set(), 0
         for j in range(self.cursor, min(len(self.trace), self.cursor + _WINDOW)):
             fits = True
@@ -167,6 +188,8 @@ class ParameterCoordinator:
                 n += p.ds_numel
             if not fits:
                 break
+        if self.nvme:   # partitions still on NVMe are read ahead (_read_ahead) and gathered when needed
+            todo = [p for p in todo if getattr(p._z3, "swapper", None) is None or p._z3.swapper.is_available(p)]
         if todo:
             h = gather_params(todo, async_op=True, what="prefetch of upcoming modules")
             self.prefetch_handles = [x for x in self.prefetch_handles if not x.done] + [h]

@@ -50,6 +50,9 @@ class PartitionSpec:
         self.partition_device = torch.device(partition_device) if partition_device is not None else self.device
         self.pin_memory = bool(pin_memory) and self.partition_device.type == "cpu" and self.device.type != "cpu"
         self.listeners = []   # callables(param) after GatheredParameters re-partitions a modified param
+        # AsyncPartitionedParameterSwapper when partitions live on NVMe (offload_param.device: nvme);
+        # convert_param hands new partitions to it, gather_params/resident_partitions bring them in.
+        self.swapper = None
 
     @property
     def world_size(self) -> int:
@@ -115,6 +118,8 @@ def convert_param(p: torch.nn.Parameter, spec: PartitionSpec, persist: bool = Fa
     else:
         p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         p.data = _placeholder(full.dtype, spec.device)
+        if spec.swapper is not None:   # written to NVMe now; p.ds_tensor becomes a storage-less placeholder
+            spec.swapper.add_params([p])
 
 
 @contextlib.contextmanager
@@ -150,9 +155,10 @@ def set_partition_from_full(p, full: torch.Tensor) -> None:
     """Write this rank's slice of ``full`` (the whole parameter) into ``p.ds_tensor``."""
     lo, hi = owned_range(p)
     flat = full.reshape(-1)
-    if hi > lo:
-        p.ds_tensor[:hi - lo].copy_(flat[lo:hi])
-    p.ds_tensor[hi - lo:].zero_()
+    with resident_partitions([p], write_back=True):
+        if hi > lo:
+            p.ds_tensor[:hi - lo].copy_(flat[lo:hi])
+        p.ds_tensor[hi - lo:].zero_()
 
 
 def _full_buffer(p) -> torch.Tensor:
@@ -171,24 +177,60 @@ def _full_buffer(p) -> torch.Tensor:
 class GatherHandle:
     """An all-gather of several parameters; :meth:`wait` makes them AVAILABLE."""
 
-    def __init__(self, params, works, keep):
+    def __init__(self, params, works, keep, swapped=()):
         self.params = params
         self.works = works
         self.keep = keep       # device copies of host partitions, alive until the gather ends
+        self.swapped = swapped  # (swapper, params) whose NVMe partitions are held until the gather ends
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
-        for w in self.works:
-            if w is not None:
-                w.wait()
+        try:
+            for w in self.works:
+                if w is not None:
+                    w.wait()
+        finally:
+            _release_swapped(self.swapped)
+            self.swapped = ()
         for p in self.params:
             p.data = p._z3_full[:p.ds_numel].view(p.ds_shape)
             p.ds_status = ZeroParamStatus.AVAILABLE
             p._z3_handle = None
         self.done = True
         self.keep = None
+
+
+def _swapper_groups(params):
+    """[(swapper, params)] for the NVMe-backed params among ``params``."""
+    out = {}
+    for p in params:
+        sw = getattr(p._z3, "swapper", None)
+        if sw is not None and sw.is_swapped(p):
+            out.setdefault(id(sw), (sw, []))[1].append(p)
+    return list(out.values())
+
+
+def _release_swapped(swapped) -> None:
+    for sw, ps in swapped:
+        sw.release_resident(ps)
+
+
+def _pool_batches(sw, params):
+    """Split ``params`` into runs whose partitions fit ``sw``'s buffer pool together."""
+    cap = sw.buffer_count * sw.buffer_bytes
+    batches, cur, n = [], [], 0
+    for p in params:
+        b = -(-p.ds_tensor.numel() * p.ds_tensor.element_size() // 4096) * 4096
+        if cur and n + b > cap:
+            batches.append(cur)
+            cur, n = [], 0
+        cur.append(p)
+        n += b
+    if cur:
+        batches.append(cur)
+    return batches
 
 
 def gather_params(params, async_op: bool = False, what: str = ""):
@@ -208,18 +250,35 @@ def gather_params(params, async_op: bool = False, what: str = ""):
         handles = [gather_params([p for p in todo if p._z3.comm is c], async_op, what)
                    for c in {id(p._z3.comm): p._z3.comm for p in todo}.values()]
         return _MultiHandle(handles)
+    swapped = _swapper_groups(todo)
+    if len(swapped) == 1 and len(_pool_batches(*swapped[0])) > 1:
+        # More NVMe partitions than the swap buffers hold at once: gather them a pool's worth at a
+        # time (synchronously), so the buffer_count/buffer_size bound holds; the rest as asked.
+        sw, ps = swapped[0]
+        for batch in _pool_batches(sw, ps):
+            gather_params(batch, async_op=False, what=what)
+        rest = [p for p in todo if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        return gather_params(rest, async_op, what) if rest else None
     comm.check(KIND_GATHER, [p.ds_id for p in todo], sum(p.ds_tensor.numel() for p in todo) * comm.world_size,
                what or comm.describe(todo))
-    works, keep = [], []
-    for p in todo:
-        full = _full_buffer(p)
-        src = p.ds_tensor
-        if src.device != p._z3.device:
-            src = src.to(p._z3.device, non_blocking=True)
-            keep.append(src)
-        works.append(comm.all_gather_into(full, src, async_op=async_op))
-        p.ds_status = ZeroParamStatus.INFLIGHT
-    handle = GatherHandle(todo, works, keep)
+    held = []
+    try:
+        for sw, ps in swapped:
+            sw.make_resident(ps)
+            held.append((sw, ps))
+        works, keep = [], []
+        for p in todo:
+            full = _full_buffer(p)
+            src = p.ds_tensor
+            if src.device != p._z3.device:
+                src = src.to(p._z3.device, non_blocking=True)
+                keep.append(src)
+            works.append(comm.all_gather_into(full, src, async_op=async_op))
+            p.ds_status = ZeroParamStatus.INFLIGHT
+    except BaseException:
+        _release_swapped(held)
+        raise
+    handle = GatherHandle(todo, works, keep, held)
     for p in todo:
         p._z3_handle = handle
     if not async_op:

@@ -37,6 +37,7 @@ from .stage3_comm import KIND_GATHER, KIND_STEP, comm_for
 from .stage3_fragments import Stage3StateAccess
 from .stage3_grads import GradReducer
 from .stage3_master import MasterPartitions
+from .stage3_nvme_params import SwappedPartitionMasters
 from .stage3_state_dict import gather_module_state_dict, load_full_state_dict
 
 # Elements per gradient bucket when the config does not set reduce_bucket_size: about one
@@ -92,13 +93,17 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         off_param = z.offload_param_device == "cpu"
         off_opt = z.offload_optimizer_device in ("cpu", "nvme")   # nvme: updated in host memory (stage3_nvme)
         nvme_opt = z.offload_optimizer_device == "nvme"
-        self.spec = PartitionSpec(self.comm, ctx.device, torch.device("cpu") if off_param else ctx.device,
+        nvme_param = z.offload_param_device == "nvme"   # partitions in swap files (stage3_nvme_params)
+        self.spec = PartitionSpec(self.comm, ctx.device, torch.device("cpu") if off_param or nvme_param else ctx.device,
                                   pin_memory=bool(off_param and z.offload_param.pin_memory))
+        if nvme_param:
+            from .stage3_nvme_params import param_swapper_for
+            self.spec.swapper = param_swapper_for(module, z.offload_param, cfg.model.aio, self.dtype)
         self.persistent = []
         self._partition_module(z)
         grad_dtype = _DT.get(cfg.model.data_types.grad_accum_dtype or "", self.dtype)
         self.groups = self._param_groups()
-        self.parts = MasterPartitions(
+        self.parts = (SwappedPartitionMasters if nvme_param else MasterPartitions)(
             self.groups, dtype=self.dtype, grad_dtype=grad_dtype,
             opt_device=torch.device("cpu") if off_opt else ctx.device, share_master=(off_param == off_opt),
             sub_group_size=z.sub_group_size, pin_memory=bool(off_opt and z.offload_optimizer.pin_memory),
@@ -164,6 +169,8 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
             if b.is_floating_point() and b.dtype != self.dtype:
                 b.data = b.data.to(self.dtype)
         if to_persist:  # zero.Init partitioned them; keep them whole from now on
+            if self.spec.swapper is not None:   # whole params keep their partition in memory
+                self.spec.swapper.remove_params(to_persist)
             gather_params(to_persist, what="small parameters kept whole (stage3_param_persistence_threshold)")
             for p in to_persist:
                 p.ds_persist = True
@@ -180,6 +187,12 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
                 f"same data_parallel_group (or mpu) to zero.Init and deepspeed.initialize.")
         if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and not p.ds_persist:
             release_param(p, force=True)
+        old_sw = getattr(p._z3, "swapper", None)
+        if old_sw is not None and old_sw.is_swapped(p):   # built under zero.Init(remote_device="nvme")
+            if old_sw is self.spec.swapper and not cast:
+                p._z3 = self.spec
+                return
+            old_sw.remove_params([p])   # into memory; re-registered below when the engine swaps too
         part = p.ds_tensor
         if cast or part.device != self.spec.partition_device:
             part = part.to(device=self.spec.partition_device, dtype=self.dtype if cast else part.dtype)
@@ -191,6 +204,8 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         elif not p.ds_persist:
             p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.spec.device)
         p._z3 = self.spec
+        if self.spec.swapper is not None and not p.ds_persist:
+            self.spec.swapper.add_params([p])
 
     def _param_groups(self):
         client = self.ctx.client_optimizer
@@ -449,6 +464,8 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
 
     def destroy(self) -> None:
         self.parts.close()   # NVMe swap files
+        if self.spec.swapper is not None:
+            self.spec.swapper.close()   # NVMe parameter partitions (offload_param.device: nvme)
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .partitioned_param import ZeroParamStatus, owned_range
+from .partitioned_param import ZeroParamStatus, owned_range, resident_partitions
 from .stage3_comm import KIND_GATHER
 
 
@@ -77,7 +77,10 @@ class Stage3StateAccess:
     def _sync_partition(self, p) -> None:
         """After this rank's master fragment changed: the param partition follows."""
         c, off, k, _ = self._where(p)
-        if c.lp is not c.master and k > 0:
+        if c.lp is None and k > 0:   # NVMe-backed partitions (stage3_nvme_params): no flat copy
+            with resident_partitions([p], write_back=True):
+                p.ds_tensor[:k].copy_(c.master[off:off + k])
+        elif c.lp is not c.master and k > 0:
             c.lp[off:off + k].copy_(c.master[off:off + k])
 
     def set_full_fp32_param(self, p, value):
