@@ -47,6 +47,7 @@ import collections
 import enum
 import os
 import time
+import weakref
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -90,11 +91,15 @@ class _Slot:
 
 
 class _Entry:
-    __slots__ = ("param", "path", "numel", "dtype", "nbytes", "state", "slot", "data", "holds", "dirty",
+    __slots__ = ("ref", "key", "path", "numel", "dtype", "nbytes", "state", "slot", "data", "holds", "dirty",
                  "cached", "on_disk")
 
-    def __init__(self, param, path: str, numel: int, dtype: torch.dtype):
-        self.param, self.path, self.numel, self.dtype = param, path, numel, dtype
+    def __init__(self, param, path: str, numel: int, dtype: torch.dtype, on_death):
+        # a weak reference: a parameter dropped by the model (e.g. replaced by a tied one after
+        # zero.Init partitioned it) takes its entry and swap file with it
+        self.key = id(param)
+        self.ref = weakref.ref(param, lambda _r, k=self.key: on_death(k))
+        self.path, self.numel, self.dtype = path, numel, dtype
         self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.state = _IN
         self.slot: Optional[_Slot] = None
@@ -104,8 +109,38 @@ class _Entry:
         self.cached = False      # resident in the max_in_cpu cache (own tensor, counted)
         self.on_disk = False     # the file holds a complete copy
 
+    @property
+    def param(self):
+        return self.ref()
+
+    def set_tensor(self, t: torch.Tensor) -> None:
+        p = self.ref()
+        if p is not None:
+            p.ds_tensor = t
+
     def __deepcopy__(self, memo):
         return self
+
+
+_libc = None
+
+
+def _return_freed_memory() -> None:
+    """Hand heap memory freed by written-out partitions back to the OS (glibc ``malloc_trim``).
+
+    Without it glibc keeps the freed multi-megabyte chunks of partitions handed over by
+    ``zero.Init`` in its heap (measured: the process grew by every partition it wrote), so
+    building a model on NVMe would still cost its size in resident memory."""
+    global _libc
+    if _libc is None:
+        try:
+            import ctypes
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
 
 
 def _meta_placeholder(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -141,11 +176,13 @@ class AsyncPartitionedParameterSwapper:
         self._ready: "collections.OrderedDict[int, _Entry]" = collections.OrderedDict()  # prefetched, unheld
         self._reading: List[_Entry] = []
         self._writing: List[_Entry] = []
+        self._writing_own = 0            # bytes of partitions' own tensors kept alive by writes in flight
         self._next_file = 0
         self.cached_numel = 0
         self.oversize_bytes = 0          # live bytes of buffers made for partitions > buffer_size
         self.overflow_bytes = 0          # live bytes of ordinary tensors handed out beyond the pool
         self._warned = set()
+        self._dead: List[int] = []       # keys of entries whose parameter was garbage-collected
         self.stats = {"reads": 0, "writes": 0, "bytes_read": 0, "bytes_written": 0, "read_wait_s": 0.0,
                       "write_wait_s": 0.0, "prefetched": 0, "cache_hits": 0, "evictions": 0,
                       "peak_arenas": 0, "peak_cached_numel": 0, "peak_pool_bytes": 0, "overflow": 0}
@@ -170,7 +207,18 @@ class AsyncPartitionedParameterSwapper:
         return self.swap_dir.path
 
     def is_swapped(self, p) -> bool:
+        self._reap()
         return id(p) in self._entries
+
+    def _reap(self) -> None:
+        """Forget entries whose parameter is gone (their files are deleted)."""
+        while self._dead and not self._closed:
+            e = self._entries.get(self._dead.pop())
+            if e is None or e.param is not None:
+                continue
+            if e.state in (_READING, _WRITING):
+                self.synchronize()
+            self._forget(e)
 
     def add_params(self, params: Iterable) -> None:
         """Take over the partitions of ``params`` (each ``p.ds_tensor`` holding its data):
@@ -178,13 +226,15 @@ class AsyncPartitionedParameterSwapper:
         ``p.ds_tensor`` becomes a storage-less placeholder. The caller's partition tensors
         are not referenced afterwards."""
         self._check_open()
+        self._reap()
         for p in params:
             if id(p) in self._entries:
                 raise ValueError(f"parameter {getattr(p, 'ds_id', '?')} is already swapped by this swapper")
             part = p.ds_tensor
             if part.device.type == "meta":
                 raise ValueError(f"parameter {getattr(p, 'ds_id', '?')}: its partition has no data to swap")
-            e = _Entry(p, self.swap_dir.file(f"param_{self._next_file}.swp"), part.numel(), part.dtype)
+            e = _Entry(p, self.swap_dir.file(f"param_{self._next_file}.swp"), part.numel(), part.dtype,
+                       self._dead.append)
             self._next_file += 1
             self._entries[id(p)] = e
             e.dirty = True
@@ -218,10 +268,10 @@ class AsyncPartitionedParameterSwapper:
     def _forget(self, e: _Entry) -> None:
         self._free_slot(e)
         if e.cached:
-            self._lru.pop(id(e.param), None)
+            self._lru.pop(e.key, None)
             self.cached_numel -= e.numel
-        self._ready.pop(id(e.param), None)
-        self._entries.pop(id(e.param), None)
+        self._ready.pop(e.key, None)
+        self._entries.pop(e.key, None)
         e.data, e.state, e.cached = None, _OUT, False
         if e.on_disk:
             try:
@@ -234,6 +284,7 @@ class AsyncPartitionedParameterSwapper:
         """Make every swapped ``p.ds_tensor`` in ``params`` a real tensor holding its data,
         until :meth:`release_resident`. Params not registered here are ignored."""
         self._check_open()
+        self._reap()
         todo = []
         for p in params:
             e = self._entries.get(id(p))
@@ -247,9 +298,9 @@ class AsyncPartitionedParameterSwapper:
         need = []
         for e in todo:
             if e.cached:
-                self._lru.move_to_end(id(e.param))
+                self._lru.move_to_end(e.key)
                 self.stats["cache_hits"] += 1
-            self._ready.pop(id(e.param), None)
+            self._ready.pop(e.key, None)
             if e.state == _WRITING:
                 self._wait_writes()
             if e.state == _OUT:
@@ -288,6 +339,7 @@ class AsyncPartitionedParameterSwapper:
         waiting, no overflow); returns how many reads were submitted."""
         if self._closed:
             return 0
+        self._reap()
         n = 0
         for p in params:
             e = self._entries.get(id(p))
@@ -305,6 +357,7 @@ class AsyncPartitionedParameterSwapper:
 
     def is_available(self, p) -> bool:
         """True when ``p``'s partition is in memory (or being read) right now."""
+        self._reap()
         e = self._entries.get(id(p))
         return e is None or e.state in (_IN, _READING)
 
@@ -315,7 +368,7 @@ class AsyncPartitionedParameterSwapper:
         t.status = PartitionedParamStatus.AVAILABLE
         t.final_location = "nvme"
         e.state = _IN
-        e.param.ds_tensor = t
+        e.set_tensor(t)
 
     def _settle(self, e: _Entry) -> None:
         """Last hold released: keep it in the cache if it may stay, else evict."""
@@ -326,8 +379,8 @@ class AsyncPartitionedParameterSwapper:
                 e.data, e.cached = own, True
                 self._set_resident(e)
                 self.cached_numel += e.numel
-            self._lru[id(e.param)] = e
-            self._lru.move_to_end(id(e.param))
+            self._lru[e.key] = e
+            self._lru.move_to_end(e.key)
             self._trim_cache(keep=e)
             if e.cached:
                 return
@@ -349,10 +402,10 @@ class AsyncPartitionedParameterSwapper:
         """Drop ``e`` from memory, writing it first when memory is newer than its file."""
         self.stats["evictions"] += 1
         if e.cached:
-            self._lru.pop(id(e.param), None)
+            self._lru.pop(e.key, None)
             self.cached_numel -= e.numel
             e.cached = False
-        e.param.ds_tensor = _meta_placeholder(e.numel, e.dtype)
+        e.set_tensor(_meta_placeholder(e.numel, e.dtype))
         if e.dirty or not e.on_disk:
             if e.slot is None:   # an own tensor (cache, or the caller's partition): written from it
                 own = e.data.reshape(-1)
@@ -364,6 +417,12 @@ class AsyncPartitionedParameterSwapper:
             self.stats["bytes_written"] += e.nbytes
             e.state, e.dirty, e.on_disk = _WRITING, False, True
             self._writing.append(e)
+            if e.slot.kind == "own":
+                # Bound the memory writes keep alive (zero.Init hands over every partition it
+                # makes): at most a pool's worth before waiting for them.
+                self._writing_own += e.nbytes
+                if self._writing_own > self.buffer_count * self.buffer_bytes:
+                    self._wait_writes()
         else:
             self._free_slot(e)
             e.data, e.state = None, _OUT
@@ -376,7 +435,8 @@ class AsyncPartitionedParameterSwapper:
         self.read_handle.async_pread(slot.bytes[:e.nbytes], e.path, 0)
         e.state = _READING
         self._reading.append(e)
-        e.param.ds_tensor.status = PartitionedParamStatus.INFLIGHT
+        if e.param is not None:
+            e.param.ds_tensor.status = PartitionedParamStatus.INFLIGHT
         self.stats["reads"] += 1
         self.stats["bytes_read"] += e.nbytes
 
@@ -404,9 +464,12 @@ class AsyncPartitionedParameterSwapper:
         finally:
             self.stats["write_wait_s"] += time.perf_counter() - t0
             done, self._writing = self._writing, []
+            own, self._writing_own = self._writing_own, 0
             for e in done:
                 self._free_slot(e)
                 e.state = _OUT
+            if own:
+                _return_freed_memory()
 
     def _free_slot(self, e: _Entry) -> None:
         s, e.slot = e.slot, None
@@ -478,7 +541,7 @@ class AsyncPartitionedParameterSwapper:
         ready, self._ready = self._ready, collections.OrderedDict()
         for e in ready.values():
             if e.holds == 0 and not e.cached and e.state == _IN:
-                e.param.ds_tensor = _meta_placeholder(e.numel, e.dtype)
+                e.set_tensor(_meta_placeholder(e.numel, e.dtype))
                 self._free_slot(e)
                 e.data, e.state = None, _OUT
 
@@ -519,6 +582,8 @@ class AsyncPartitionedParameterSwapper:
         return sum(e.numel for e in self._entries.values() if e.state in (_IN, _READING))
 
     def swapped_numel(self) -> int:
+        """Elements of the partitions this swapper holds (in files or in memory)."""
+        self._reap()
         return sum(e.numel for e in self._entries.values())
 
     def close(self) -> None:
@@ -531,7 +596,7 @@ class AsyncPartitionedParameterSwapper:
                 self.synchronize()
             finally:
                 for e in self._entries.values():
-                    e.param.ds_tensor = _meta_placeholder(e.numel, e.dtype)
+                    e.set_tensor(_meta_placeholder(e.numel, e.dtype))
                     e.data, e.slot = None, None
                 self._entries.clear()
                 self._lru.clear()

@@ -42,13 +42,13 @@ def _compute_device():
 
 
 def _read_config(config_dict_or_path, config):
-    """(zero section, fp16 enabled, bf16 enabled) from a DeepSpeed config, or Nones."""
+    """(zero section, fp16 enabled, bf16 enabled, aio section) from a DeepSpeed config, or Nones."""
     src = config_dict_or_path if config_dict_or_path is not None else config
     if src is None:
-        return None, False, False
+        return None, False, False, None
     from ...config import DeepSpeedConfig
     if isinstance(src, DeepSpeedConfig):
-        return src.zero, src.fp16_enabled, src.bfloat16_enabled
+        return src.zero, src.fp16_enabled, src.bfloat16_enabled, src.model.aio
     from ...config.base import parse_section
     from ...config.ds_config import load_config_source
     from ...config.sections import BF16Section, FP16Section, ZeroSection
@@ -56,7 +56,7 @@ def _read_config(config_dict_or_path, config):
     zero = parse_section(ZeroSection, _resolved(raw.get("zero_optimization")), "zero_optimization")
     fp16 = parse_section(FP16Section, _resolved(raw.get("fp16")), "fp16")
     bf16 = parse_section(BF16Section, _resolved(raw.get("bf16") or raw.get("bfloat16")), "bf16")
-    return zero, fp16.enabled, bf16.enabled
+    return zero, fp16.enabled, bf16.enabled, _resolved(raw.get("aio"))
 
 
 def _resolved(section):
@@ -65,6 +65,15 @@ def _resolved(section):
     if not isinstance(section, dict):
         return section or {}
     return {k: _resolved(v) if isinstance(v, dict) else v for k, v in section.items() if v != "auto"}
+
+
+def _nvme_swapper(zero, aio, dtype):
+    key = "zero_optimization.offload_param.nvme_path"
+    if zero is None or zero.offload_param is None or not zero.offload_param.nvme_path:
+        raise ValueError(f"zero.Init(remote_device='nvme') needs {key}: pass config_dict_or_path with "
+                         f"zero_optimization.offload_param {{'device': 'nvme', 'nvme_path': <a writable directory>}}.")
+    from ..swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper
+    return AsyncPartitionedParameterSwapper.from_config(zero.offload_param, aio, dtype=dtype)
 
 
 def _ensure_dist():
@@ -223,8 +232,12 @@ def _unpatch():
 class Init:
     """Construct modules already partitioned across the data-parallel group.
 
-    ``remote_device``: where partitions live (``"cpu"`` keeps them in host memory; default:
+    ``remote_device``: where partitions live (``"cpu"`` keeps them in host memory, ``"nvme"``
+    writes each module's partitions to swap files under ``offload_param.nvme_path`` as soon
+    as it is built, so the whole model never exists in memory; default:
     ``zero_optimization.offload_param.device`` from the config, else the accelerator).
+    ``param_swapper``: an ``AsyncPartitionedParameterSwapper`` to put the partitions in
+    (implies NVMe).
     ``dtype``: cast floating-point parameters (default: fp16/bf16 when the config enables
     it, else unchanged). ``mem_efficient_linear`` is accepted for compatibility: gathered
     parameters keep their storage object across release/regather, so ``F.linear`` needs no
@@ -242,13 +255,13 @@ class Init:
         if zero_quantized_weights or zero_quantized_nontrainable_weights:
             raise ValueError("zero.Init: zero_quantized_weights / zero_quantized_nontrainable_weights are not "
                              "supported by this deepspeed; leave them False.")
-        if zero_param_parallel_group is not None or param_swapper is not None:
-            raise ValueError("zero.Init: zero_param_parallel_group (hpZ) and param_swapper (NVMe) are not "
-                             "supported by this deepspeed; leave them None.")
+        if zero_param_parallel_group is not None:
+            raise ValueError("zero.Init: zero_param_parallel_group (hpZ) is not supported by this deepspeed; "
+                             "leave it None.")
         if dtype is not None and dtype not in _DTYPE_NAMES:
             raise ValueError(f"zero.Init: 'dtype' must be one of torch.float16, torch.bfloat16, torch.float32, "
                              f"got {dtype!r}.")
-        zero, fp16, bf16 = _read_config(config_dict_or_path, config)
+        zero, fp16, bf16, aio = _read_config(config_dict_or_path, config)
         _ensure_dist()
         if data_parallel_group is None and mpu is not None:
             data_parallel_group = mpu.get_data_parallel_group()
@@ -257,14 +270,16 @@ class Init:
         self.dtype = dtype if dtype is not None else (torch.float16 if fp16 else torch.bfloat16 if bf16 else None)
         off_dev = zero.offload_param_device if zero is not None else "none"
         if remote_device in (None, "none"):
-            remote_device = "cpu" if off_dev == "cpu" else None
-        if str(remote_device) == "nvme" or off_dev == "nvme":
-            raise ValueError("zero.Init: remote_device 'nvme' (ZeRO-Infinity) is not supported; use 'cpu' or None.")
+            remote_device = off_dev if off_dev in ("cpu", "nvme") else None
+        nvme = str(remote_device) == "nvme" or param_swapper is not None
         if zero is not None and zero.offload_param is not None and zero.offload_param.pin_memory:
             pin_memory = True
         self.device = _compute_device()
-        part_dev = torch.device("cpu") if str(remote_device) == "cpu" else self.device
+        part_dev = torch.device("cpu") if str(remote_device) in ("cpu", "nvme") or nvme else self.device
         self.spec = PartitionSpec(comm_for(data_parallel_group), self.device, part_dev, pin_memory)
+        if nvme:   # ZeRO-Infinity: each module's partitions go to swap files as it is built
+            self.spec.swapper = param_swapper if param_swapper is not None else \
+                _nvme_swapper(zero, aio, self.dtype or torch.float32)
         self._device_ctx = None
         if module is not None:
             if not isinstance(module, torch.nn.Module):
