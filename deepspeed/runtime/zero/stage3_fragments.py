@@ -29,6 +29,8 @@ class Stage3StateAccess:
         c, off, k, _ = self._where(p)
         if k <= 0:
             return None
+        if what != "grad" and self.parts.nvme is not None:   # offload_optimizer nvme: a copy from the swap file
+            return self.parts.nvme.read_fragment(c, off, k, what, key)
         if what == "fp32":
             return c.master[off:off + k]
         if what == "grad":
@@ -87,7 +89,9 @@ class Stage3StateAccess:
         value = value.detach().reshape(-1)
         if id(p) in self.parts.slot:
             c, off, k, lo = self._where(p)
-            if k > 0:
+            if k > 0 and self.parts.nvme is not None:   # into the swap file and the partitions
+                self.parts.nvme.write_fragment(c, off, k, "fp32", None, value[lo:lo + k])
+            elif k > 0:
                 c.master[off:off + k].copy_(value[lo:lo + k])
                 self._sync_partition(p)
         if p.ds_persist or p.ds_status == ZeroParamStatus.AVAILABLE:
@@ -95,24 +99,40 @@ class Stage3StateAccess:
                 p.data.copy_(value.view(p.ds_shape))
 
     def set_full_optimizer_state(self, p, key, value):
+        if self._nvme_write(p, "state", key, lambda lo, k: value.detach().reshape(-1)[lo:lo + k]):
+            return
         local = self._require_state(p, key)
         if local is not None:
             _, _, k, lo = self._where(p)
             local.copy_(value.detach().reshape(-1)[lo:lo + k])
 
     def set_local_fp32_param(self, p, value):
-        local = self._local(p, "fp32")
-        if local is None:
-            return
-        local.copy_(value.reshape(-1))
-        self._sync_partition(p)
+        if not self._nvme_write(p, "fp32", None, lambda lo, k: value.reshape(-1)):
+            local = self._local(p, "fp32")
+            if local is None:
+                return
+            local.copy_(value.reshape(-1))
+            self._sync_partition(p)
         if p.ds_persist:
             self._persistent_stale = True   # whole copies are re-gathered before the next forward
 
     def set_local_optimizer_state(self, p, key, value):
+        if self._nvme_write(p, "state", key, lambda lo, k: value.reshape(-1)):
+            return
         local = self._require_state(p, key)
         if local is not None:
             local.copy_(value.reshape(-1))
+
+    def _nvme_write(self, p, what, key, value) -> bool:
+        """With offload_optimizer nvme: write this rank's fragment (``value(lo, k)``) through
+        the swapper and return True; otherwise False."""
+        if self.parts.nvme is None:
+            return False
+        if id(p) in self.parts.slot:
+            c, off, k, lo = self._where(p)
+            if k > 0:
+                self.parts.nvme.write_fragment(c, off, k, what, key, value(lo, k))
+        return True
 
     def _require_state(self, p, key):
         if id(p) not in self.parts.slot or self._where(p)[2] <= 0:

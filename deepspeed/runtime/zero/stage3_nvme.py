@@ -229,3 +229,28 @@ class NvmeMasters:
         if not self._closed:
             self._closed = True
             self.swapper.close()
+
+    # -- per-parameter fragments (deepspeed.utils.safe_get_full_fp32_param & co.) ----------------
+    def read_fragment(self, c, off: int, k: int, what: str, key=None):
+        """A copy of elements ``[off, off + k)`` of chunk ``c``'s master (``what == "fp32"``) or
+        of its optimizer state ``key``; None where that state does not exist (yet)."""
+        i = self.parts.chunks.index(c)
+        if what != "fp32" and (i not in self.stepped or key not in self.keys.get(c.group, [])):
+            return None
+        views = self.swapper.swap_in(i)
+        try:
+            return views[PARAM_KEY if what == "fp32" else key][off:off + k].clone()
+        finally:
+            self.swapper.release(i)
+
+    def write_fragment(self, c, off: int, k: int, what: str, key, value) -> None:
+        """Overwrite elements ``[off, off + k)`` of chunk ``c``'s master (and the parameters'
+        partitions) or of its optimizer state ``key``."""
+        i = self.parts.chunks.index(c)
+        if what != "fp32" and (i not in self.stepped or key not in self.keys.get(c.group, [])):
+            raise KeyError(f"optimizer state '{key}' does not exist (yet) for this parameter. "
+                           f"Optimizer state is created by the first optimizer step.")
+        for _, views in self.swapper.iterate([i]):
+            views[PARAM_KEY if what == "fp32" else key][off:off + k].copy_(value.reshape(-1))
+            if what == "fp32":
+                self._master_to_partitions(c, views[PARAM_KEY])

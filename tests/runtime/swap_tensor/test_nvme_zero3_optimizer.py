@@ -348,3 +348,27 @@ def test_crash_leaves_stale_dir_that_next_run_removes_and_masters_never_all_in_m
     assert os.path.isdir(live)
     eng.destroy()
     assert not os.path.exists(live) and not os.path.exists(tmp_path / "ds_swap")
+
+
+def test_tensor_fragment_api_reads_and_writes_the_swapped_state(tmp_path):
+    """deepspeed.utils.safe_get/set_full_fp32_param & optimizer state go through the swap files."""
+    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
+                                 safe_set_full_optimizer_state)
+    batches = lm_batches(3, 4)
+    out = {}
+    for mode, off in (("none", None), ("nvme", _nvme(tmp_path, buffer_count=2))):
+        eng = _engine(_cfg(off))
+        assert safe_get_full_optimizer_state(eng.module.blocks[0].fc1.weight, "exp_avg") is None   # no step yet
+        _steps(eng, batches[:2])
+        named = dict(eng.module.named_parameters())
+        got = {n: (safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg_sq")) for n, p in named.items()}
+        w = named["blocks.1.fc2.weight"]
+        safe_set_full_fp32_param(w, torch.full(w.ds_shape, 0.25))
+        safe_set_full_optimizer_state(w, torch.full(w.ds_shape, -0.5), "exp_avg")
+        assert torch.equal(safe_get_full_optimizer_state(w, "exp_avg"), torch.full(w.ds_shape, -0.5))
+        _steps(eng, batches[2:])
+        out[mode] = (got, eng.module_state_dict())
+        eng.destroy()
+    for n, (fp32, v) in out["none"][0].items():
+        assert torch.equal(fp32, out["nvme"][0][n][0]) and torch.equal(v, out["nvme"][0][n][1]), n
+    _assert_equal(out["none"][1], out["nvme"][1], "after safe_set_full_* and one more step")
