@@ -115,6 +115,9 @@ def test_fp32_nvme_is_bit_identical_to_no_offload_and_cpu_offload(tmp_path):
     # with the parameters offloaded to host memory too (the master is then never shared)
     both = _train(_cfg(_nvme(tmp_path, buffer_count=3, pipeline_read=True), param_off="cpu"), check=_swapped_for_real)
     _assert_equal(ref, both, "offload_param cpu + offload_optimizer nvme")
+    cfg = _cfg(_nvme(tmp_path, buffer_count=2, pipeline_write=True))   # and parameters on NVMe (helper N3's swapper)
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0}
+    _assert_equal(ref, _train(cfg, check=_swapped_for_real), "offload_param nvme + offload_optimizer nvme")
     assert not os.path.exists(tmp_path / "ds_swap")       # every engine removed its files at destroy
 
 
@@ -272,17 +275,20 @@ CHILD = textwrap.dedent(r"""
         cfg = {{"train_micro_batch_size_per_gpu": 2, "bf16": {{"enabled": True}},
                "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
                "zero_optimization": {{"stage": 3, "sub_group_size": dim * dim // 2, "offload_optimizer": off,
-                                     "stage3_param_persistence_threshold": 0, "reduce_bucket_size": dim * dim}}}}
+                                     "stage3_param_persistence_threshold": 0, "reduce_bucket_size": dim * dim,
+                                     "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0,
+                                     "stage3_prefetch_bucket_size": 0}}}}
         gc.collect()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")                             # reset the peak-RSS mark (VmHWM)
         base = rss()[0]
         eng = deepspeed.initialize(model=model, config=cfg)[0]
+        init = rss()[1]
         x = torch.randn(2, dim).bfloat16()
         for _ in range(2):
             eng.backward(eng(x).float().pow(2).mean())
             eng.step()
-        return eng, {{"numel": layers * dim * dim, "peak_growth": rss()[1] - base,
+        return eng, {{"numel": layers * dim * dim, "peak_growth": rss()[1] - base, "init_growth": init - base,
                      "bytes": eng.strategy.model_state_bytes()}}
 
     run(1, 64)[0].destroy()                          # one-time imports and set-up out of the measurement
@@ -339,7 +345,9 @@ def test_crash_leaves_stale_dir_that_next_run_removes_and_masters_never_all_in_m
     extra_nvme = got["peak_growth"] - got["bytes"]["grads"] - got["bytes"]["nvme_swap_buffers"]
     extra_cpu = ref["peak_growth"] - ref["bytes"]["grads"]
     assert extra_cpu > 0.9 * state_bytes, ref       # the measurement sees state held in memory
-    assert extra_nvme < 0.35 * state_bytes, got     # all masters at once (a third of state_bytes) would fail
+    print("RSS", json.dumps({"state_bytes": state_bytes, "extra_nvme": extra_nvme, "extra_cpu": extra_cpu,
+                             "nvme": got, "cpu": ref}))
+    assert extra_nvme < 0.2 * state_bytes, got      # all masters at once (a third of state_bytes) would fail
 
     # the next engine on the same nvme_path removes the dead run's directory
     eng = _engine(_cfg(_nvme(tmp_path)))
