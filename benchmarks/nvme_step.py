@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import statistics
@@ -114,6 +115,8 @@ def main(argv=None):
     if made:
         args.nvme_path = tempfile.mkdtemp(prefix="nvme_step_", dir="/tmp")
     os.makedirs(args.nvme_path, exist_ok=True)
+    from deepspeed.utils.logging import logger
+    logger.setLevel(logging.WARNING)   # stdout carries the JSON only
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     if not dist.is_initialized():
