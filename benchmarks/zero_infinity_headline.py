@@ -166,14 +166,15 @@ def child_deepspeed(a: dict) -> dict:
 
     torch.manual_seed(0)
     d, n_layer, n_head, vocab, seq = a["shape"]
-    dev = a["offload"]
+    dev, opt_dev = a["offload_param"], a["offload_optimizer"]
     nvme = os.path.join(a["nvme_path"], "swap")
     os.makedirs(nvme, exist_ok=True)
     off_param = {"device": dev, "pin_memory": False}
-    off_opt = {"device": dev, "pin_memory": False}
+    off_opt = {"device": opt_dev, "pin_memory": False}
     if dev == "nvme":
         off_param.update(nvme_path=nvme, buffer_count=a["param_buffer_count"],
                          buffer_size=a["param_buffer_size"], max_in_cpu=a["max_in_cpu"])
+    if opt_dev == "nvme":
         off_opt.update(nvme_path=nvme, buffer_count=a["opt_buffer_count"])
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
@@ -398,12 +399,15 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--seq", type=int)
     ap.add_argument("--run", choices=("deepspeed", "plain", "both"), default="deepspeed")
-    ap.add_argument("--offload", choices=("nvme", "cpu"), default="nvme")
+    ap.add_argument("--offload", choices=("nvme", "cpu"), default="nvme",
+                    help="device of offload_param and offload_optimizer (each overridable below)")
+    ap.add_argument("--offload-param", choices=("nvme", "cpu"), default=None)
+    ap.add_argument("--offload-optimizer", choices=("nvme", "cpu"), default=None)
     ap.add_argument("--nvme-path", default=None, help="directory for swap files (default: a new one under /tmp)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--sub-group-size", type=int, default=50_000_000)
-    ap.add_argument("--opt-buffer-count", type=int, default=4)
+    ap.add_argument("--opt-buffer-count", type=int, default=3)
     ap.add_argument("--param-buffer-count", type=int, default=5)
     ap.add_argument("--param-buffer-size", type=int, default=None,
                     help="elements per parameter swap buffer (default: the largest parameter)")
@@ -436,7 +440,8 @@ def main(argv=None):
            "arithmetic": arithmetic(n, ram), "cpus": os.cpu_count(),
            "mem_available_at_start_bytes": mi["MemAvailable"], "loadavg_at_start": os.getloadavg(),
            "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
-    a = {"shape": [d, n_layer, n_head, vocab, seq], "steps": args.steps, "lr": args.lr, "offload": args.offload,
+    a = {"shape": [d, n_layer, n_head, vocab, seq], "steps": args.steps, "lr": args.lr,
+         "offload_param": args.offload_param or args.offload, "offload_optimizer": args.offload_optimizer or args.offload,
          "sub_group_size": args.sub_group_size, "opt_buffer_count": args.opt_buffer_count,
          "param_buffer_count": args.param_buffer_count,
          "param_buffer_size": args.param_buffer_size or max(vocab * d, 4 * d * d),
@@ -448,7 +453,8 @@ def main(argv=None):
         base = args.nvme_path or tempfile.mkdtemp(prefix="zi_headline_nvme_")
         os.makedirs(base, exist_ok=True)
         a["nvme_path"] = base
-        need = 15 * n if args.offload == "nvme" else 0           # bf16 params + fp32 master + 2 moments, +slack
+        # bf16 params (2 B) and fp32 master + 2 moments (12 B) on disk, +1 B slack
+        need = (3 if a["offload_param"] == "nvme" else 0) * n + (12 if a["offload_optimizer"] == "nvme" else 0) * n
         free = os.statvfs(base).f_bavail * os.statvfs(base).f_frsize
         res["disk_free_at_start_bytes"] = free
         if need > free:

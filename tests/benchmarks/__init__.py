@@ -1,0 +1,1 @@
+"""Tests of the benchmark scripts whose figures the docs quote (small sizes only)."""
