@@ -184,7 +184,7 @@ class AsyncPartitionedParameterSwapper:
         self._warned = set()
         self._dead: List[int] = []       # keys of entries whose parameter was garbage-collected
         self.stats = {"reads": 0, "writes": 0, "bytes_read": 0, "bytes_written": 0, "read_wait_s": 0.0,
-                      "write_wait_s": 0.0, "prefetched": 0, "cache_hits": 0, "evictions": 0,
+                      "write_wait_s": 0.0, "prefetched": 0, "prefetch_dropped": 0, "cache_hits": 0, "evictions": 0,
                       "peak_arenas": 0, "peak_cached_numel": 0, "peak_pool_bytes": 0, "overflow": 0}
         self._closed = False
 
@@ -280,9 +280,11 @@ class AsyncPartitionedParameterSwapper:
                 pass
 
     # ------------------------------------------------------------------ holds
-    def make_resident(self, params: Iterable) -> None:
+    def make_resident(self, params: Iterable, read: bool = True) -> None:
         """Make every swapped ``p.ds_tensor`` in ``params`` a real tensor holding its data,
-        until :meth:`release_resident`. Params not registered here are ignored."""
+        until :meth:`release_resident`. Params not registered here are ignored. With
+        ``read=False`` the caller overwrites every element: a partition not in memory gets
+        its buffer space without being read (its contents are undefined until written)."""
         self._check_open()
         self._reap()
         todo = []
@@ -306,7 +308,12 @@ class AsyncPartitionedParameterSwapper:
             if e.state == _OUT:
                 need.append(e)
         for e in need:
-            self._submit_read(e, self._alloc(e, for_hold=True))
+            slot = self._alloc(e, for_hold=True)
+            if read:
+                self._submit_read(e, slot)
+            else:
+                e.slot, e.data, e.state = slot, slot.bytes[:e.nbytes].view(e.dtype), _IN
+                e.dirty = True
         if any(e.state == _READING for e in todo):
             self._wait_reads()
         for e in todo:
@@ -530,20 +537,21 @@ class AsyncPartitionedParameterSwapper:
             self._wait_writes()
             s = self._take_arena_space(e.nbytes)
         while s is None and self._ready:
-            self._drop_ready()
+            self._drop_ready_one()
             s = self._take_arena_space(e.nbytes)
         return s if s is not None else self._private_slot(e, "hold")
 
-    def _drop_ready(self) -> None:
-        """Give up every prefetched, not yet used partition (its data is on disk)."""
-        if any(x.state == _READING for x in self._ready.values()):
+    def _drop_ready_one(self) -> None:
+        """Give up the prefetched, not yet used partition needed last (the newest read ahead;
+        its data is on disk)."""
+        _, e = self._ready.popitem(last=True)
+        if e.state == _READING:
             self._wait_reads()
-        ready, self._ready = self._ready, collections.OrderedDict()
-        for e in ready.values():
-            if e.holds == 0 and not e.cached and e.state == _IN:
-                e.set_tensor(_meta_placeholder(e.numel, e.dtype))
-                self._free_slot(e)
-                e.data, e.state = None, _OUT
+        if e.holds == 0 and not e.cached and e.state == _IN:
+            e.set_tensor(_meta_placeholder(e.numel, e.dtype))
+            self._free_slot(e)
+            e.data, e.state = None, _OUT
+            self.stats["prefetch_dropped"] += 1
 
     def _note_peaks(self) -> None:
         used = sum(a.used for a in self._arenas)

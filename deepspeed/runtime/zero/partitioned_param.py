@@ -123,25 +123,30 @@ def convert_param(p: torch.nn.Parameter, spec: PartitionSpec, persist: bool = Fa
 
 
 @contextlib.contextmanager
-def resident_partitions(params, write_back: bool = False):
+def resident_partitions(params, write_back: bool = False, overwrite: bool = False):
     """Inside the block every parameter's ``ds_tensor`` holds its partition's data.
 
     The one entry point for code that reads or writes partitions outside a gather (the
     stage-3 master build and the copy of updated masters back into the partitions):
     NVMe-backed partitions (``offload_param.device: nvme``) are read in on entry and, with
     ``write_back``, written out again on exit, after which they may be evicted. Partitions
-    in memory (GPU, CPU) are untouched: then this is a no-op.
+    in memory (GPU, CPU) are untouched: then this is a no-op. With ``overwrite`` the block
+    writes every element of the partitions, so their old contents are not read from NVMe
+    (it implies ``write_back``).
     """
     params = list(params)
     hooks = {id(p._z3.swapper): p._z3.swapper for p in params
              if is_zero_param(p) and getattr(p._z3, "swapper", None) is not None}
-    for sw in hooks.values():
-        sw.make_resident([p for p in params if getattr(p._z3, "swapper", None) is sw])
+    held = []
     try:
+        for sw in hooks.values():
+            mine = [p for p in params if getattr(p._z3, "swapper", None) is sw]
+            sw.make_resident(mine, read=not overwrite)
+            held.append((sw, mine))
         yield
     finally:
-        for sw in hooks.values():
-            sw.release_resident([p for p in params if getattr(p._z3, "swapper", None) is sw], write_back)
+        for sw, mine in held:
+            sw.release_resident(mine, write_back or overwrite)
 
 
 def owned_range(p):
@@ -155,7 +160,7 @@ def set_partition_from_full(p, full: torch.Tensor) -> None:
     """Write this rank's slice of ``full`` (the whole parameter) into ``p.ds_tensor``."""
     lo, hi = owned_range(p)
     flat = full.reshape(-1)
-    with resident_partitions([p], write_back=True):
+    with resident_partitions([p], overwrite=True):
         if hi > lo:
             p.ds_tensor[:hi - lo].copy_(flat[lo:hi])
         p.ds_tensor[hi - lo:].zero_()

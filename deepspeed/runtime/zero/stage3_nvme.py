@@ -146,9 +146,11 @@ class NvmeMasters:
             state = optimizer.state[holder]
             per_elem = [k for k in views if k != PARAM_KEY]
             fresh = i not in self.stepped
+            before = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
             if not fresh:
                 for k in per_elem:
                     state[k] = views[k]
+            ok = False
             try:
                 if streamed:
                     def fill(m, lo, hi, out, g=c.grad):
@@ -169,10 +171,14 @@ class NvmeMasters:
                         views[k].copy_(state[k])
                     self.stepped.add(i)
                 self._master_to_partitions(c, holder)
+                ok = True
             finally:
                 holder.grad = None
                 for k in per_elem:
                     state.pop(k, None)
+                if not ok:   # the swap file keeps the state from before this step: so do the scalars
+                    state.clear()
+                    state.update(before)
                 holder.set_(_empty_holder(holder.device))
 
     # -- masters <-> partitions ----------------------------------------------------------------

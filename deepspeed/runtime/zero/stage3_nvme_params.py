@@ -54,7 +54,7 @@ def partitions_to_master(c, out) -> None:
 def master_to_partitions(c, master) -> None:
     """``master`` -> chunk ``c``'s partitions (written back to NVMe), one partition at a time."""
     for p, off, s in zip(c.params, c.offsets, c.sizes):
-        with resident_partitions([p], write_back=True):
+        with resident_partitions([p], overwrite=True):   # not read first: every element is written
             p.ds_tensor.copy_(master[off:off + s])
 
 

@@ -162,6 +162,37 @@ def test_bad_swapper_settings_name_the_key(tmp_path):
         AsyncPartitionedParameterSwapper.from_config({"device": "nvme"})
 
 
+def test_partitioned_params_gather_modify_and_overwrite_through_nvme(tmp_path):
+    """convert_param hands partitions to spec.swapper; gather_params, GatheredParameters
+    (modifier_rank) and resident_partitions(overwrite=True) go through it."""
+    import deepspeed
+    from deepspeed.runtime.zero.partitioned_param import (PartitionSpec, ZeroParamStatus, convert_param,
+                                                          gather_params, release_param, resident_partitions)
+    from deepspeed.runtime.zero.stage3_comm import comm_for
+    spec = PartitionSpec(comm_for(None), "cpu", "cpu")
+    spec.swapper = sw = _swapper(tmp_path, buffer_count=2, buffer_size=3000, max_in_cpu=0)
+    g = torch.Generator().manual_seed(3)
+    ref = [torch.randn(n, generator=g) for n in (1000, 2500, 17, 5000)]    # 5000 > buffer_size
+    ps = [torch.nn.Parameter(r.clone()) for r in ref]
+    for p in ps:
+        convert_param(p, spec)
+    assert all(p.ds_tensor.device.type == "meta" and p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in ps)
+    gather_params(ps)        # 34 KB of partitions through a 24 KB pool: gathered a pool's worth at a time
+    assert all(torch.equal(p.data, r) for p, r in zip(ps, ref)) and sw.stats["overflow"] == 0
+    for p in ps:
+        release_param(p)
+    with deepspeed.zero.GatheredParameters(ps[:2], modifier_rank=0):
+        with torch.no_grad():
+            ps[0].mul_(3)
+    reads = sw.stats["reads"]
+    with resident_partitions(ps[1:2], overwrite=True):
+        ps[1].ds_tensor.fill_(7)
+    assert sw.stats["reads"] == reads          # overwritten, not read first
+    gather_params(ps)
+    assert torch.equal(ps[0].data, ref[0] * 3) and bool((ps[1].data == 7).all()) and torch.equal(ps[3].data, ref[3])
+    sw.close()
+
+
 # ---------------------------------------------------------------- training
 
 
@@ -218,6 +249,46 @@ def test_fp32_training_with_params_on_nvme_is_bit_identical(tmp_path, opt_off):
     assert info["evictions"] > 0 and info["prefetched"] > 0 and info["peak_arenas"] <= 2
     assert info["peak_cached_numel"] <= 150
     assert info["gone"]
+
+
+def test_checkpoint_of_an_nvme_param_run_resumes_bit_identical(tmp_path):
+    """Save after 2 of 4 steps with the partitions on NVMe; resume with NVMe and without
+    offload: both end equal to the uninterrupted run; no swap path in the checkpoint."""
+    import deepspeed
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    batches = lm_batches(4, 4)
+
+    def engine(cfg):
+        return deepspeed.initialize(model=make_lm(seed=0, n_layers=3), config=cfg)[0]
+
+    def steps(eng, bs):
+        for b in bs:
+            for m in range(2):
+                x, y = shard(b, 0, 1, m, 2)
+                eng.backward(eng(x, y))
+                eng.step()
+
+    base, nv = _nvme_cfg(None, "cpu"), _nvme_cfg(nvme, "cpu")
+    eng = engine(base)
+    steps(eng, batches)
+    ref = eng.module_state_dict()
+    eng.destroy()
+    eng = engine(nv)
+    steps(eng, batches[:2])
+    folder = eng.optimizer.spec.swapper.swap_folder
+    eng.save_checkpoint(str(tmp_path / "ck"), tag="t")
+    eng.destroy()
+    for name in os.listdir(tmp_path / "ck" / "t"):
+        with open(tmp_path / "ck" / "t" / name, "rb") as f:
+            data = f.read()
+        assert folder.encode() not in data and b"ds_swap" not in data, name
+    for cfg in (nv, base):
+        eng = engine(cfg)
+        eng.load_checkpoint(str(tmp_path / "ck"), tag="t")
+        steps(eng, batches[2:])
+        _same(ref, eng.module_state_dict())
+        eng.destroy()
 
 
 def _built_under_init(path, seed=0):
