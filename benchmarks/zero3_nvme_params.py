@@ -100,6 +100,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     os.makedirs(args.nvme_path, exist_ok=True)
+    import logging
+    from deepspeed.utils.logging import logger
+    logger.setLevel(logging.WARNING)   # stdout carries the JSON only
+    load_start = os.getloadavg()
     modes = ["memory", "nvme", "nvme_no_readahead"]
     rounds = []
     for r in range(args.repeats):
@@ -115,8 +119,16 @@ def main(argv=None):
         res["readahead_on_over_off"] = res["nvme"]["step_s"] / res["nvme_no_readahead"]["step_s"]
         rounds.append(res)
     n_params = sum(p.numel() for p in _model(args.layers, args.width).parameters())
+    summary = {}
+    for key in ("nvme_over_memory", "nvme_no_readahead_over_memory", "readahead_on_over_off"):
+        vals = sorted(r[key] for r in rounds)
+        summary[key] = {"median": statistics.median(vals), "min": vals[0], "max": vals[-1]}
+    for mode in modes:
+        vals = sorted(r[mode]["step_s"] for r in rounds)
+        summary[f"{mode}_step_s"] = {"median": statistics.median(vals), "min": vals[0], "max": vals[-1]}
     print(json.dumps({"config": vars(args), "params": n_params, "param_bytes": 4 * n_params,
-                      "load_avg": os.getloadavg(), "rounds": rounds, "identical": True}, indent=1))
+                      "load_avg_start": load_start, "load_avg_end": os.getloadavg(), "summary": summary,
+                      "rounds": rounds, "identical": True}, indent=1))
 
 
 if __name__ == "__main__":
