@@ -473,7 +473,9 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
             sq = self._sq_norm_model_parallel_only()
         if not self.partition_master and self.rank != 0:
             sq = torch.zeros((), dtype=torch.float64)  # replicated gradients: count them once
-        packed = torch.stack([torch.tensor(flag, dtype=torch.float64), sq])
+        # on the training device: ``sq`` is there without offload, and NCCL reduces device tensors only
+        dev = torch.device(self.ctx.device)
+        packed = torch.stack([torch.tensor(flag, dtype=torch.float64, device=dev), sq.to(dev)])
         if self.world > 1:
             dist.all_reduce(packed, group=self.ctx.dp_group)
         if mp_split:
