@@ -104,8 +104,17 @@ def _precision_probe(dtype: str) -> Probe:
 
 
 def _nvme_probe() -> Tuple[bool, str]:
-    return False, ("the NVMe swapper (deepspeed.runtime.swap_tensor) is built but not yet wired into the "
-                   "ZeRO strategies; offload_*.device 'nvme' is refused")
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    if not AsyncIOBuilder().is_compatible():
+        return False, "needs the async I/O engine (deepspeed.ops.aio), which does not import here"
+    for target in ("deepspeed.runtime.precision.nvme_master:NvmeMasters",
+                   "deepspeed.runtime.zero.stage3_nvme:NvmeMasters",
+                   "deepspeed.runtime.swap_tensor.partitioned_param_swapper:AsyncPartitionedParameterSwapper"):
+        ok, why = _import_probe(target)()
+        if not ok:
+            return False, why
+    return True, ("offload_optimizer.device 'nvme' (ZeRO 1/2/3), offload_param.device 'nvme' (ZeRO 3), "
+                  "zero.Init(remote_device='nvme')")
 
 
 def _async_io_probe() -> Tuple[bool, str]:
