@@ -20,6 +20,7 @@ __all__ = [
     "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "send", "recv",
     "isend", "irecv", "new_group", "get_global_rank", "destroy_process_group", "ReduceOp",
     "all_to_all_single", "get_backend", "monitored_barrier", "default_timeout", "all_gather_object",
+    "comm_device", "to_comm_device", "CompletedWork",
 ]
 
 # DeepSpeed's default process-group timeout is 30 minutes; DEEPSPEED_TIMEOUT (minutes) overrides.
@@ -144,9 +145,82 @@ def get_backend(group=None):
     return dist.get_backend(group) if is_initialized() else None
 
 
+# Backends that take host (CPU) tensors; "cpu:gloo,cuda:nccl"-style multi-device backends too.
+_HOST_BACKENDS = frozenset(("gloo", "mpi", "ccl", "fake"))
+
+
+def comm_device(group=None) -> torch.device:
+    """The device a tensor must be on for a collective over ``group``.
+
+    NCCL (and the other accelerator-only backends: hccl, xccl, ...) reduce device tensors
+    only - a CPU tensor fails with "No backend type associated with device type cpu", even
+    in a world of one - so for them this is the current accelerator device; for gloo, MPI,
+    oneCCL, a backend with a ``cpu:`` entry, or no process group at all it is the CPU.
+    Small host-side values (flags, counts, norms) go ``.to(comm_device(group))`` before the
+    collective (see :func:`to_comm_device`) and are read back with ``.item()``/``.tolist()``.
+    """
+    if not is_initialized():
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    entries = [e.strip() for e in backend.split(",")]
+    if any(e.startswith("cpu:") or e.rsplit(":", 1)[-1] in _HOST_BACKENDS for e in entries):
+        return torch.device("cpu")
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    from ..accelerator import get_accelerator
+    return torch.device(get_accelerator().current_device_name())
+
+
+def to_comm_device(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """``tensor`` on :func:`comm_device` of ``group`` (``tensor`` itself when already there).
+    Code that needs the result in the original tensor copies it back when the two differ."""
+    return tensor.to(comm_device(group))
+
+
+class CompletedWork:
+    """The handle a collective launched with ``async_op=True`` returns when it had nothing
+    to do (a world of one, or no process group): already complete, so ``wait()`` returns
+    at once - client code written for torch's ``Work`` runs unchanged."""
+
+    def __init__(self, result=None):
+        self._result = [] if result is None else list(result)
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def result(self):
+        return self._result
+
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+    def __repr__(self):
+        return "CompletedWork()"
+
+
+def _done(async_op, *tensors):
+    """What a short-circuited collective returns: a completed handle for ``async_op``."""
+    return CompletedWork(tensors) if async_op else None
+
+
 def barrier(group=None, async_op=False):
     if is_initialized():
         return dist.barrier(group=group, async_op=async_op)
+    return _done(async_op)
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
@@ -160,20 +234,20 @@ def _single(group) -> bool:
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     if _single(group):
-        return None
+        return _done(async_op, tensor)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
     if _single(group):
-        return None
+        return _done(async_op, tensor)
     return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     if _single(group):
         tensor_list[0].copy_(tensor)
-        return None
+        return _done(async_op, *tensor_list)
     return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
 
@@ -187,27 +261,27 @@ def all_gather_object(object_list, obj, group=None):
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     if _single(group):
         output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
-        return None
+        return _done(async_op, output_tensor)
     return _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
     if _single(group):
         output.copy_(input_list[0])
-        return None
+        return _done(async_op, output)
     return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
     if _single(group):
         output.copy_(input.reshape(output.shape))
-        return None
+        return _done(async_op, output)
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 def broadcast(tensor, src, group=None, async_op=False):
     if _single(group):
-        return None
+        return _done(async_op, tensor)
     return dist.broadcast(tensor, src, group=group, async_op=async_op)
 
 

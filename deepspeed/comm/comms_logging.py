@@ -291,6 +291,8 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False):
             all_keys = sorted(set().union(*[set(map(tuple, g)) for g in gathered]))
             totals = torch.tensor([sum(comms_logger.comms_dict.get(k[0], {}).get(k[1], [0, [0.0]])[1])
                                    for k in all_keys], dtype=torch.float64)
+            from .. import comm as ds_comm
+            totals = ds_comm.to_comm_device(totals)  # NCCL reduces device tensors only
             dist.all_reduce(totals, op=dist.ReduceOp.MIN)
             mins = dict(zip(all_keys, totals.tolist()))
         rows = comms_logger.summary_rows(mins)

@@ -63,7 +63,8 @@ def _capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_cap
 def _max_over_group(value: int, group) -> int:
     if group is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    from .. import comm as ds_comm
+    t = ds_comm.to_comm_device(torch.tensor([value], dtype=torch.int64), group)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
 

@@ -28,6 +28,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from .. import comm as ds_comm
 from ..config.errors import DeepSpeedConfigError
 from ..runtime.strategy import StepOutcome, TrainingStrategy
 from ..runtime.utils import global_grad_norm, local_grad_sq_norm
@@ -75,7 +76,9 @@ def expert_aware_grad_norm(params, mpu=None) -> float:
     for name, grads in by_name.items():
         sq = local_grad_sq_norm(grads).reshape(1)
         if groups.get_expert_parallel_world_size(name) > 1:
-            dist.all_reduce(sq, group=groups.get_expert_parallel_group(name))
+            group = groups.get_expert_parallel_group(name)
+            sq = ds_comm.to_comm_device(sq, group)
+            dist.all_reduce(sq, group=group)
         total += sq.item()
     return math.sqrt(total) if total >= 0 else float("nan")
 
@@ -243,6 +246,7 @@ class MoEFlatStrategy(TrainingStrategy, torch.optim.Optimizer):
         counted = [v if (s.partition_master or s.rank == 0) else 0.0 for s, v in zip(self.subs, local)]
         packed = torch.tensor([flag] + counted, dtype=torch.float64)
         if self.ctx.dp_world_size > 1:
+            packed = ds_comm.to_comm_device(packed, self.ctx.dp_group)
             dist.all_reduce(packed, group=self.ctx.dp_group)
         overflow = packed[0].item() > 0
         sq = sum(packed[i + 1].item() * s.grad_norm_factor() ** 2 for i, s in enumerate(self.subs))

@@ -149,6 +149,7 @@ class DeepSpeedEngine(EngineConfigQueries, torch.nn.Module):
         for dtype in {t.dtype for t in tensors}:
             ts = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.data.reshape(-1) for t in ts])
+            flat = comm.to_comm_device(flat, self.dp_group)  # dont_change_device may leave the model on the host
             dist.broadcast(flat, src=src, group=self.dp_group)
             off = 0
             for t in ts:

@@ -7,6 +7,8 @@ from typing import Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
+from .. import comm as ds_comm
+
 
 def is_model_parallel_parameter(p) -> bool:
     """Parameters split across model-parallel ranks (Megatron marks them)."""
@@ -35,11 +37,14 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], mpu=None, extra_group
         if mpu is not None and mpu.get_model_parallel_world_size() > 1 and mpu.get_model_parallel_rank() != 0:
             params = [p for p in params if is_model_parallel_parameter(p)]
         sq_norm = local_grad_sq_norm([p.grad for p in params])
-    total = sq_norm.detach().clone().double().reshape(1)
+    total = sq_norm.detach().clone().double().reshape(1)  # a CPU zero when this rank holds no gradient
     if dist.is_available() and dist.is_initialized():
         if mpu is not None and mpu.get_model_parallel_world_size() > 1:
-            dist.all_reduce(total, group=mpu.get_model_parallel_group())
+            group = mpu.get_model_parallel_group()
+            total = ds_comm.to_comm_device(total, group)
+            dist.all_reduce(total, group=group)
         if extra_group is not None and dist.get_world_size(extra_group) > 1:
+            total = ds_comm.to_comm_device(total, extra_group)
             dist.all_reduce(total, group=extra_group)
     return math.sqrt(total.item()) if total.item() >= 0 else float("nan")
 
@@ -140,12 +145,16 @@ def _norm_of(tensors, norm_type: float, mpu) -> float:
         total = torch.tensor([local], dtype=torch.float64)
         if mpu is not None and dist.is_available() and dist.is_initialized() \
                 and mpu.get_model_parallel_world_size() > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=mpu.get_model_parallel_group())
+            group = mpu.get_model_parallel_group()
+            total = ds_comm.to_comm_device(total, group)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         return total.item()
     local = sum(t.detach().double().norm(norm_type).item() ** norm_type for t in tensors)
     total = torch.tensor([local], dtype=torch.float64)
     if mpu is not None and dist.is_available() and dist.is_initialized() and mpu.get_model_parallel_world_size() > 1:
-        dist.all_reduce(total, group=mpu.get_model_parallel_group())
+        group = mpu.get_model_parallel_group()
+        total = ds_comm.to_comm_device(total, group)
+        dist.all_reduce(total, group=group)
     return total.item() ** (1.0 / norm_type)
 
 
@@ -325,6 +334,7 @@ class PartitionedTensor:
         width = max(self.partition[i + 1] - self.partition[i] for i in range(self.num_parts))
         padded = torch.zeros(width, dtype=self.local_data.dtype, device=self.local_data.device)
         padded[:self.local_data.numel()] = self.local_data
+        padded = ds_comm.to_comm_device(padded, self.group)  # a host-side part, NCCL group: to the device
         gathered = torch.empty(width * self.num_parts, dtype=padded.dtype, device=padded.device)
         dist.all_gather_into_tensor(gathered, padded, group=self.group)
         pieces = [gathered[i * width:i * width + self.partition[i + 1] - self.partition[i]]
@@ -362,9 +372,12 @@ class CheckOverflow:
     def _reduce(self, overflow: bool) -> bool:
         flag = torch.tensor([1.0 if overflow else 0.0])
         if dist.is_available() and dist.is_initialized():
+            flag = ds_comm.to_comm_device(flag)  # NCCL reduces device tensors only, even in a world of one
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if self.mpu is not None and self.mpu.get_model_parallel_world_size() > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mpu.get_model_parallel_group())
+                group = self.mpu.get_model_parallel_group()
+                flag = ds_comm.to_comm_device(flag, group)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)
 
     def has_overflow_serial(self, params) -> bool:

@@ -349,8 +349,8 @@ def _comm_body(rank, world):
     dc.all_gather(lst, base)
     assert torch.equal(lst[0], base)
     w = dc.all_reduce(base.clone(), async_op=True)
-    if w is not None:   # a world of one returns None here (no work object); see the report
-        w.wait()
+    assert w is not None, "a short-circuited async_op collective must still return a waitable handle"
+    w.wait()
     dc.barrier()
     if DEV != "cuda":   # gloo lacks reduce_scatter_tensor; the part below is about NCCL
         return {"async_returns_work": w is not None}
@@ -385,6 +385,85 @@ def _comm_body(rank, world):
 @pytest.mark.timeout(150)
 def test_comm_collectives_world_of_one_on_nccl():
     _spawn(_comm_body)
+
+
+class _WorldMPU:
+    """An mpu that claims two model-parallel ranks but whose group is the world of one: the
+    model-parallel reductions run (on NCCL) instead of being skipped, and change nothing."""
+
+    def get_model_parallel_world_size(self):
+        return 2
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_group(self):
+        import torch.distributed as dist
+        return dist.group.WORLD
+
+
+def _host_values_body(rank, world):
+    """The helpers that build a flag, count or norm on the host and reduce it: on NCCL each
+    must move it to the GPU first (NCCL rejects CPU tensors even in a world of one)."""
+    _init()
+    import torch.distributed as dist
+
+    import deepspeed.comm as dc
+    from deepspeed.comm import comms_logging
+    from deepspeed.ops.sparse_attention import DenseSparsityConfig, SparseSelfAttention
+    from deepspeed.runtime.utils import CheckOverflow, clip_grad_norm_, get_grad_norm, global_grad_norm
+    from deepspeed.runtime.zero.utils import get_lst_from_rank0
+    want = torch.device("cuda", torch.cuda.current_device()) if DEV == "cuda" else torch.device("cpu")
+    assert dc.comm_device() == want, dc.comm_device()
+    assert dc.to_comm_device(torch.ones(2)).device == want
+    # overflow check: the flag is a host tensor, reduced over the world (and the mpu's group)
+    assert CheckOverflow().check_using_norm([1.0]) is False
+    assert CheckOverflow().check_using_norm([float("inf")]) is True
+    assert CheckOverflow(mpu=_WorldMPU()).check_using_norm([float("nan")]) is True
+    p = torch.nn.Parameter(torch.zeros(4, device=DEV))
+    p.grad = torch.full((4,), 3.0, device=DEV)
+    assert CheckOverflow([[p]]).check() is False
+    p.grad[0] = float("inf")
+    assert CheckOverflow([[p]]).has_overflow([p]) is True
+    # norms reduced over the model-parallel group: host float64 scalars
+    p.grad = torch.full((4,), 3.0, device=DEV)
+    assert math.isclose(get_grad_norm([p], mpu=_WorldMPU()), 6.0)
+    assert get_grad_norm([p], norm_type=float("inf"), mpu=_WorldMPU()) == 3.0
+    assert math.isclose(clip_grad_norm_([p], 100.0, mpu=_WorldMPU()), 6.0)
+    assert global_grad_norm([p], mpu=_WorldMPU()) == 6.0
+    q = torch.nn.Parameter(torch.zeros(2, device=DEV))   # no gradient: a CPU zero is reduced
+    assert global_grad_norm([q], mpu=_WorldMPU(), extra_group=None) == 0.0
+    # ZeRO's list check (a broadcast), the comms logger's straggler column (an all-reduce),
+    # sparse attention's layout broadcast from a module still on the host
+    assert get_lst_from_rank0([3, 1, 4]) == [3, 1, 4]
+    dc.configure(enabled=True, prof_all=True)
+    try:
+        dc.all_reduce(torch.ones(8, device=DEV))
+        text = comms_logging.log_summary(show_straggler=True)
+    finally:
+        dc.configure(enabled=False)
+    assert "straggler" in text
+    attn = SparseSelfAttention(DenseSparsityConfig(num_heads=2, block=16), max_seq_length=64)
+    assert attn.master_layout.device.type == "cpu"
+    assert int(attn.get_layout(64).sum()) == 2 * 4 * 4
+    # async handles: deepspeed.comm's short-circuited ops and NCCL's own work objects
+    x = torch.ones(4, device=DEV)
+    w = dc.all_reduce(x, async_op=True)
+    assert w is not None and w.wait() is not False and w.is_completed()
+    w = dc.broadcast(x, 0, async_op=True)
+    w.wait()
+    assert torch.equal(x, torch.ones(4, device=DEV))
+    w = dist.all_reduce(x, async_op=True)
+    w.wait()
+    assert torch.equal(x, torch.ones(4, device=DEV))
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    return True
+
+
+@pytest.mark.timeout(150)
+def test_host_side_values_reduce_on_nccl_world_of_one():
+    assert _spawn(_host_values_body)
 
 
 # ============================================================================ fp32 ZeRO 0-3 == torch AdamW

@@ -52,7 +52,11 @@ class SparseSelfAttention(nn.Module):
         """The layout for sequence length ``L`` (a slice of the master layout)."""
         if self._need_layout_synchronization and torch.distributed.is_available() \
                 and torch.distributed.is_initialized():
-            torch.distributed.broadcast(self.master_layout, src=0)
+            from ... import comm as ds_comm
+            layout = ds_comm.to_comm_device(self.master_layout)  # the module may still be on the host
+            torch.distributed.broadcast(layout, src=0)
+            if layout is not self.master_layout:
+                self.master_layout.copy_(layout)
             self._plans.clear()
         self._need_layout_synchronization = False
         block = self.sparsity_config.block

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ... import comm as ds_comm
 from ...utils.logging import logger
 from .errors import CheckpointAssertionError, CheckpointError
 from .io import CheckpointReader, CheckpointWriter, read_latest_tag
@@ -64,7 +65,7 @@ def restore_rng_state(st: dict) -> None:
 
 def _all_ok(ok: bool) -> bool:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        t = ds_comm.to_comm_device(torch.tensor([1 if ok else 0], dtype=torch.int32))
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
     return ok

@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ... import comm as ds_comm
+
 from ..checkpoint.universal import (FragmentIndex, load_torch_optimizer, make_rank_state, optim_file_name,
                                     split_param_state)
 
@@ -171,6 +173,8 @@ class FlatStateMixin:
         if local is not None:
             out.narrow(0, f.param_start, f.numel).copy_(local)
         if self.partition_master and self.world > 1:
+            out = ds_comm.to_comm_device(out, self.ctx.dp_group)
+            present = ds_comm.to_comm_device(present, self.ctx.dp_group)
             dist.all_reduce(out, group=self.ctx.dp_group)
             dist.all_reduce(present, op=dist.ReduceOp.MIN, group=self.ctx.dp_group)
         if present.item() == 0:

@@ -46,6 +46,8 @@ def get_lst_from_rank0(lst: List[int]) -> List[int]:
     """``lst`` as rank 0 of the default group has it (every rank must pass a list of the same length)."""
     t = torch.tensor(list(lst), dtype=torch.long)
     if dist.is_available() and dist.is_initialized():
+        from ... import comm as ds_comm
+        t = ds_comm.to_comm_device(t)
         dist.broadcast(t, src=0)
     return t.tolist()
 
