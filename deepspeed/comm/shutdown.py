@@ -1,34 +1,53 @@
 """Clean process exit when the script never destroys the process group.
 
 Users' training scripts return without ``destroy_process_group()``. With torch 2.13
-on gloo, a process that exits with a live process group aborts now and then
-("terminate called without an active exception", exit 134) while its C++ threads
-are torn down, and the launcher reports a finished job as failed.
+on gloo, such a process now and then aborts at exit with "terminate called without an
+active exception" (SIGABRT, exit 134), and the launcher reports a finished job as failed.
+
+Cause (core dumps, plain torch as well as DeepSpeed): a ``ProcessGroupGloo`` worker
+thread (``pt_gloo_runloop``) drops its reference to a finished collective *after* the
+caller's ``wait()`` returned. If the op's tensors have Python objects, that release
+needs the GIL, so the worker queues for it while the main thread runs on. When the
+main thread reaches interpreter finalization first, CPython (3.11: ``take_gil``) ends
+any other thread that wants the GIL with ``pthread_exit``; the forced unwind passes
+through the noexcept ``~AsyncWork`` destructor and ``std::terminate`` aborts the
+process. Destroying the group does not help while anything (the engine's strategy and
+comm objects do) still references it: its threads live on, and so does the race.
 
 ``install()`` (called by ``deepspeed.init_distributed``, hence by ``initialize``)
-registers one ``atexit`` hook that, if the default group is still initialised at
-exit:
+registers one ``atexit`` hook that:
 
-1. **waits for the other ranks to reach their exit** (an arrival counter in the
-   group's key-value store, not a collective: it works whatever state the group's
-   collectives are in, and a rank that arrived and already left still counts),
-   at most ``DEEPSPEED_EXIT_BARRIER_TIMEOUT`` seconds (default 60), so a peer that
-   is still busy or dead never makes it hang;
-2. **destroys the default process group**, so the backend's threads are joined
-   while the interpreter is still intact.
+1. if the default group is still initialised, **waits for the other ranks to reach
+   their exit** (an arrival counter in the group's key-value store, not a collective:
+   it works whatever state the group's collectives are in, and a rank that arrived and
+   already left still counts), at most ``DEEPSPEED_EXIT_BARRIER_TIMEOUT`` seconds
+   (default 60), so a peer that is still busy or dead never makes it hang; then
+   **destroys the process groups** and collects garbage (a group nothing references
+   any more is freed here, which joins its threads);
+2. **drains the gloo worker threads** of groups that are still referenced: it lets go of
+   the GIL, then runs Python code for several switch intervals (a thread waiting for the
+   GIL asks for it every interval and gets it), and repeats until no worker thread has
+   woken up in a whole round (Linux: their context-switch counts in ``/proc``), at most
+   ``DEEPSPEED_EXIT_DRAIN_TIMEOUT`` seconds (default 2). After that no worker waits for
+   the GIL when finalization begins.
 
+The hook never changes the exit status: the interpreter exits normally afterwards, with
+the code the script gave it (0, ``sys.exit(n)``, 1 after an uncaught exception, ...).
 A rank leaving because of an uncaught exception (or ``sys.exit`` with a failure code)
-does not wait: it marks itself arrived (the others do not wait for it either) and tears
-its group down.
-``DEEPSPEED_CLEAN_EXIT=0`` turns the hook off (to measure what it fixes).
+does not wait in the barrier: it marks itself arrived (the others do not wait for it
+either) and tears its groups down.
+``DEEPSPEED_CLEAN_EXIT=0`` turns the hook off (to measure what it fixes);
+``DEEPSPEED_CLEAN_EXIT_DEBUG=1`` prints one line per rank about what it did at exit.
 """
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
 import threading
 import time
+from typing import Dict, Optional, Tuple
 
 _installed = False
 _exception_seen = False
@@ -41,6 +60,10 @@ def enabled() -> bool:
 
 def exit_barrier_timeout() -> float:
     return float(os.environ.get("DEEPSPEED_EXIT_BARRIER_TIMEOUT", "60"))
+
+
+def drain_timeout() -> float:
+    return float(os.environ.get("DEEPSPEED_EXIT_DRAIN_TIMEOUT", "2"))
 
 
 def install() -> bool:
@@ -113,13 +136,84 @@ def exit_barrier(timeout: float, wait: bool = True, key: str = _ARRIVED_KEY) -> 
         return True
 
 
+# ProcessGroupGloo names its worker threads "pt_gloo_runloop" (Linux thread names are
+# cut at 15 characters). Its transport thread ("gloo_tcp_loop") never takes the GIL.
+_GLOO_WORKER_PREFIX = "pt_gloo_runloop"
+
+
+def _gloo_worker_wakeups() -> Optional[Dict[str, int]]:
+    """Context switches of each gloo worker thread of this process (thread id -> count),
+    or None where ``/proc`` cannot tell. An idle worker sleeps on its queue and does not
+    switch; one waiting for the GIL wakes every switch interval."""
+    base = "/proc/self/task"
+    try:
+        tids = os.listdir(base)
+    except OSError:
+        return None
+    counts = {}
+    for tid in tids:
+        try:
+            with open(f"{base}/{tid}/comm") as f:
+                if not f.read().startswith(_GLOO_WORKER_PREFIX):
+                    continue
+            with open(f"{base}/{tid}/status") as f:
+                counts[tid] = sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return counts
+
+
+def _run_python_for(seconds: float) -> None:
+    """Keep the interpreter busy: a thread waiting for the GIL gets it after one switch
+    interval (the eval loop honours its drop request), unlike during a blocking call."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def drain_gloo_workers(timeout: float) -> Tuple[int, bool]:
+    """Let every gloo worker thread that waits for the GIL have it, before finalization.
+
+    Returns (rounds, quiet): quiet is True when a whole round passed in which no worker
+    woke up (or ``/proc`` cannot tell, after one round).
+    """
+    deadline = time.monotonic() + timeout
+    hold = min(max(4 * sys.getswitchinterval(), 0.02), 0.5)
+    rounds = 0
+    while True:
+        rounds += 1
+        time.sleep(0.005)             # the GIL is free: a waiting worker takes it now
+        before = _gloo_worker_wakeups()
+        _run_python_for(hold)         # or after its next wake-up, through a forced switch
+        after = _gloo_worker_wakeups()
+        if before is None or after is None or before == after:
+            return rounds, True
+        if time.monotonic() >= deadline:
+            return rounds, False
+
+
 def _at_exit() -> None:
+    t0 = time.monotonic()
+    notes = []
     try:
         import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if dist.get_world_size() > 1:
-            exit_barrier(exit_barrier_timeout(), wait=not _exception_seen)
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - exiting anyway; never turn a clean exit into a traceback
-        pass
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() > 1:
+                notes.append(f"barrier={exit_barrier(exit_barrier_timeout(), wait=not _exception_seen)}")
+            dist.destroy_process_group()
+            gc.collect()    # frees (and joins the threads of) groups only garbage referenced
+    except Exception as e:  # noqa: BLE001 - exiting anyway; never turn a clean exit into a traceback
+        notes.append(f"teardown error {type(e).__name__}")
+    try:
+        workers = _gloo_worker_wakeups()
+        rounds, quiet = drain_gloo_workers(drain_timeout())
+        n = None if workers is None else len(workers)
+        notes.append(f"gloo_workers={n} drain_rounds={rounds} quiet={quiet}")
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"drain error {type(e).__name__}")
+    if os.environ.get("DEEPSPEED_CLEAN_EXIT_DEBUG", "0") not in ("", "0"):
+        try:
+            print(f"deepspeed clean exit (pid {os.getpid()}): {' '.join(notes)} "
+                  f"{time.monotonic() - t0:.3f}s", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - stderr closed
+            pass
