@@ -29,6 +29,8 @@ Usage::
     python benchmarks/zero_infinity_headline.py --size 2b --offload nvme --nvme-path /tmp/n4 \\
         --as-limit-gib 18 --steps 3 --out /tmp/n4/headline.json
     python benchmarks/zero_infinity_headline.py --size 2b --run plain
+    python benchmarks/zero_infinity_headline.py --size 2b --offload nvme --nvme-path /tmp/n5 \\
+        --as-limit-gib 60 --steps 1 --checkpoint --run deepspeed     # + a checkpoint round trip
 
 Prints one JSON object (also written to ``--out``).
 """
@@ -157,6 +159,42 @@ def _now():
     return time.perf_counter()
 
 
+class PeakAnon:
+    """Peak anonymous (``RssAnon``) and file-backed (``RssFile``) resident memory of this
+    process while the block runs, sampled every 5 ms by a background thread."""
+
+    @staticmethod
+    def _read():
+        out = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("RssAnon", "RssFile"):
+                    out[k] = int(v.split()[0]) * 1024
+        return out.get("RssAnon", 0), out.get("RssFile", 0)
+
+    def __enter__(self):
+        self.base, self.file_peak = self._read()
+        self.peak = self.base
+        self._stop = threading.Event()
+
+        def run():
+            while not self._stop.is_set():
+                anon, filed = self._read()
+                self.peak, self.file_peak = max(self.peak, anon), max(self.file_peak, filed)
+                self._stop.wait(0.005)
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        self._t0 = _now()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = _now() - self._t0
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._read()[0])
+
+
 # ------------------------------------------------------------------------------- children
 
 def child_deepspeed(a: dict) -> dict:
@@ -208,20 +246,23 @@ def child_deepspeed(a: dict) -> dict:
               f"{res['phases'][name].get('VmRSS', 0) / GiB:.2f} GiB, HWM {res['phases'][name].get('VmHWM', 0) / GiB:.2f}"
               f" GiB, disk {res['phases'][name]['disk']['allocated'] / 1e9:.2f} GB", flush=True)
 
-    t0 = _now()
-    with deepspeed.zero.Init(remote_device=dev, config_dict_or_path=cfg, dtype=torch.bfloat16):
-        model = build_gpt(d, n_layer, n_head, vocab, seq)
-    mark("construction", t0)
-    res["params"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    def build(suffix=""):
+        t0 = _now()
+        with deepspeed.zero.Init(remote_device=dev, config_dict_or_path=cfg, dtype=torch.bfloat16):
+            model = build_gpt(d, n_layer, n_head, vocab, seq)
+        mark("construction" + suffix, t0)
+        res["params"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+        t0 = _now()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        mark("initialize" + suffix, t0)
+        return engine
 
-    t0 = _now()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    mark("initialize", t0)
-
+    engine = build()
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, vocab, (1, seq + 1), generator=g)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    for i in range(a["steps"]):
+
+    def train_step(engine, i):
         t0 = _now()
         loss = engine(x, y)
         t1 = _now()
@@ -236,6 +277,37 @@ def child_deepspeed(a: dict) -> dict:
         print(f"[headline] step {i}: loss {st['loss']:.4f}  fwd {st['fwd_s']:.1f} s  bwd {st['bwd_s']:.1f} s  "
               f"step {st['opt_step_s']:.1f} s  RSS {st.get('VmRSS', 0) / GiB:.2f} GiB  "
               f"disk {st['disk']['allocated'] / 1e9:.2f} GB", flush=True)
+        return st["loss"]
+
+    for i in range(a["steps"]):
+        train_step(engine, i)
+    if a.get("checkpoint"):
+        # save, one more step (the uninterrupted run), then a fresh engine loads the checkpoint
+        # and takes the same step: its loss must be the same; anonymous memory (RssAnon)
+        # sampled every 5 ms around save_checkpoint and load_checkpoint
+        ck = os.path.join(a["nvme_path"], "ckpt")
+        cp = res["checkpoint"] = {}
+        with PeakAnon() as m:
+            engine.save_checkpoint(ck, tag="headline")
+        cp.update(save_s=round(m.wall, 2), save_anon_before=m.base, save_anon_peak=m.peak,
+                  save_rssfile_peak=m.file_peak, files=disk_bytes(ck), after_save=proc_status())
+        print(f"[headline] save_checkpoint: {m.wall:.1f} s, RssAnon {m.base / GiB:.2f} -> peak {m.peak / GiB:.2f} GiB, "
+              f"{cp['files']['allocated'] / 1e9:.2f} GB written", flush=True)
+        cp["loss_uninterrupted"] = train_step(engine, a["steps"])
+        engine.destroy()
+        del engine
+        import gc
+        gc.collect()
+        torch.manual_seed(1)                     # other initial weights: everything must come from the checkpoint
+        engine = build(" (resume)")
+        with PeakAnon() as m:
+            engine.load_checkpoint(ck, tag="headline")
+        cp.update(load_s=round(m.wall, 2), load_anon_before=m.base, load_anon_peak=m.peak,
+                  load_rssfile_peak=m.file_peak, after_load=proc_status())
+        print(f"[headline] load_checkpoint: {m.wall:.1f} s, RssAnon {m.base / GiB:.2f} -> peak {m.peak / GiB:.2f} GiB",
+              flush=True)
+        cp["loss_resumed"] = train_step(engine, a["steps"])
+        cp["resumed_loss_equal"] = cp["loss_resumed"] == cp["loss_uninterrupted"]
     t0 = _now()
     destroy = getattr(engine, "destroy", None)
     if callable(destroy):
@@ -420,6 +492,11 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=2400)
     ap.add_argument("--sample-s", type=float, default=1.0)
     ap.add_argument("--keep", action="store_true", help="keep the swap directory")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="after the steps: save a checkpoint under --nvme-path/ckpt, take one more step, load it "
+                         "into a fresh engine and take that step again (same loss expected); RssAnon sampled. "
+                         "Saving and loading map the optimizer state (address space, not memory): raise "
+                         "--as-limit-gib above the resident size plus the state (60 for --size 2b)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -446,7 +523,7 @@ def main(argv=None):
          "param_buffer_count": args.param_buffer_count,
          "param_buffer_size": args.param_buffer_size or max(vocab * d, 4 * d * d),
          "max_in_cpu": args.max_in_cpu, "max_live": max(vocab * d, 12 * d * d) + 1,
-         "prefetch": 4 * d * d}
+         "prefetch": 4 * d * d, "checkpoint": args.checkpoint}
 
     if args.run in ("deepspeed", "both"):
         own_dir = args.nvme_path is None
@@ -455,6 +532,7 @@ def main(argv=None):
         a["nvme_path"] = base
         # bf16 params (2 B) and fp32 master + 2 moments (12 B) on disk, +1 B slack
         need = (3 if a["offload_param"] == "nvme" else 0) * n + (12 if a["offload_optimizer"] == "nvme" else 0) * n
+        need += 15 * n if args.checkpoint else 0      # the checkpoint: fp32 master + moments, bf16 module
         free = os.statvfs(base).f_bavail * os.statvfs(base).f_frsize
         res["disk_free_at_start_bytes"] = free
         if need > free:
@@ -465,6 +543,7 @@ def main(argv=None):
         if not args.keep:
             import shutil
             shutil.rmtree(os.path.join(base, "swap"), ignore_errors=True)
+            shutil.rmtree(os.path.join(base, "ckpt"), ignore_errors=True)
             if own_dir:
                 shutil.rmtree(base, ignore_errors=True)
         res["deepspeed"] = r

@@ -45,8 +45,11 @@ for one tensor at a time.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
+import threading
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -80,13 +83,56 @@ def split_param_state(state: dict, shape) -> tuple:
     return per_elem, scalars
 
 
+_SHARING = threading.local()
+
+
+@contextlib.contextmanager
+def share_saved_tensors():
+    """Within this context (on this thread) :func:`make_rank_state` keeps contiguous CPU
+    tensors by reference instead of copying them: each fragment tensor gets a storage of
+    its own (so ``torch.save`` writes exactly its elements) over the caller's memory.
+
+    For a save that writes the rank state straight away from memory-mapped tensors
+    (``offload_optimizer.device: nvme``): a copy would put the rank's whole optimizer state
+    in anonymous memory. The tensors must not change until the file is written, and the
+    rank state must not be kept."""
+    before = getattr(_SHARING, "on", False)
+    _SHARING.on = True
+    try:
+        yield
+    finally:
+        _SHARING.on = before
+
+
+def _alias_exact(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t`` (flat, CPU, contiguous) as a tensor whose storage is exactly its elements,
+    sharing its memory; None where that is not possible (another device, a dtype numpy
+    lacks)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad:
+        return None
+    if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    try:
+        return torch.from_numpy(t.numpy())   # the array holds t (and its storage) alive
+    except (TypeError, RuntimeError):
+        return None
+
+
 def make_rank_state(*, zero_stage: int, dp_world_size: int, dp_rank: int, mp_rank: int, dtype,
                     params: Dict[str, dict], param_groups: List[dict], group_state: List[dict],
                     optimizer_class: Optional[str], loss_scaler: Optional[dict], extra: Optional[dict] = None) -> dict:
     """Assemble a rank state (see the module docstring); tensors are made contiguous
-    CPU clones so a save never drags whole flat buffers into the file."""
+    CPU clones so a save never drags whole flat buffers into the file (under
+    :func:`share_saved_tensors`: exact-size aliases instead of clones)."""
+    share = getattr(_SHARING, "on", False)
+
     def _cpu(t):
-        return t.detach().reshape(-1).to("cpu", copy=True).contiguous()
+        t = t.detach().reshape(-1)
+        if share:
+            alias = _alias_exact(t)
+            if alias is not None:
+                return alias
+        return t.to("cpu", copy=True).contiguous()
 
     out_params = {}
     for name, entry in params.items():
@@ -131,7 +177,28 @@ def _load(path: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 - name the file
+        if "Cannot allocate memory" in str(err) or getattr(err, "errno", None) == errno.ENOMEM:
+            # torch maps the whole file private and writable, which the kernel's default
+            # overcommit heuristic refuses for a file larger than RAM + swap (an NVMe-offloaded
+            # rank's optimizer state): map it without a swap reservation instead
+            try:
+                return _load_mapped_noreserve(path)
+            except Exception as err2:  # noqa: BLE001 - name the file
+                err = err2
         raise CheckpointError(f"Could not read optimizer checkpoint file '{path}': {err}") from None
+
+
+def _load_mapped_noreserve(path: str):
+    """``torch.load(path, weights_only=True, mmap=True)`` over a private memory map made with
+    ``MAP_NORESERVE`` (:func:`~deepspeed.runtime.swap_tensor.utils.map_file`): the same
+    tensors, file-backed, for a file larger than RAM + swap. Uses torch's own zip reader and
+    weights-only unpickler (``torch.serialization._load``), handing it the map as the
+    storage the tensors are sliced from, as ``mmap=True`` does with its own."""
+    import torch.serialization as ts
+    from ..swap_tensor.utils import map_file
+    storage = map_file(path, os.path.getsize(path), torch.uint8).untyped_storage()
+    with open(path, "rb") as f, ts._open_zipfile_reader(f) as zf:
+        return ts._load(zf, "cpu", ts._weights_only_unpickler, overall_storage=storage, encoding="utf-8")
 
 
 class FragmentIndex:
@@ -235,6 +302,20 @@ class FragmentIndex:
     def read(self, name: str, key: str = "fp32", start: int = 0, numel: Optional[int] = None,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the flattened ``key`` of ``name``."""
+        pieces, numel = self._pieces(name, key, start, numel)
+        if out is None:
+            sample = self._tensor(name, self._frags[name][0], key)
+            out = torch.empty(numel, dtype=sample.dtype)
+        for lo, hi, f, src in pieces:
+            out[lo - start:hi - start].copy_(src[lo - f["offset"]:hi - f["offset"]])
+        return out
+
+    def check(self, name: str, key: str = "fp32", start: int = 0, numel: Optional[int] = None) -> None:
+        """Raise what :meth:`read` would raise for this range, copying nothing (lets a loader
+        validate everything before it overwrites anything)."""
+        self._pieces(name, key, start, numel)
+
+    def _pieces(self, name, key, start, numel):
         if name not in self._frags:
             self.require([name])
         total = self.numel(name)
@@ -242,22 +323,18 @@ class FragmentIndex:
         end = start + numel
         if start < 0 or end > total:
             raise CheckpointError(f"Range [{start}, {end}) is outside parameter '{name}' ({total} elements).")
-        if out is None:
-            sample = self._tensor(name, self._frags[name][0], key)
-            out = torch.empty(numel, dtype=sample.dtype)
-        covered = 0
+        pieces, covered = [], 0
         for f in self._frags[name]:
             lo, hi = max(start, f["offset"]), min(end, f["offset"] + f["numel"])
             if lo >= hi:
                 continue
-            src = self._tensor(name, f, key)
-            out[lo - start:hi - start].copy_(src[lo - f["offset"]:hi - f["offset"]])
+            pieces.append((lo, hi, f, self._tensor(name, f, key)))
             covered += hi - lo
         if covered != numel:
             raise CheckpointError(f"'{self.directory}' holds {covered} of the {numel} elements [{start}, {end}) of "
                                   f"'{name}' that were asked for (a rank's own state_dict() loads only into the "
                                   f"same rank at the same world size; pass every rank's states).")
-        return out
+        return pieces, numel
 
     def full(self, name: str, key: str = "fp32") -> torch.Tensor:
         """The whole ``key`` tensor of ``name`` in its original shape."""

@@ -26,11 +26,17 @@ Parts:
   handed to the optimizer once they exist), so every optimizer initialises as it would in
   memory.
 * :class:`NvmeStateAccess` -- the checkpoint and ``tensor_fragment`` entry points of
-  :class:`~.flat_state.FlatStateMixin` run over a *resident* copy: every sub-group is read
-  back into one in-memory master (and state tensors) per group, exactly the layout of
-  ``offload_optimizer.device: "cpu"``, so a checkpoint of an NVMe run is an ordinary one
-  (no swap paths) and loads at any offload mode, stage and world size; a load (or a write
-  through ``set_*``) writes the resident copy back into the swap files.
+  :class:`~.flat_state.FlatStateMixin`. A checkpoint of an NVMe run is an ordinary one (no
+  swap paths; the fragments of the in-memory layout) and loads at any offload mode, stage
+  and world size, and the reverse. Neither direction holds the state in anonymous memory:
+  a save (:meth:`NvmeMasters.mapped_fragments`) hands ``torch.save`` every fragment as a
+  view of a memory map of the swap files (a fragment straddling sub-groups is assembled in
+  an unlinked temporary file, mapped), saved without a copy, so the pages stream from the
+  page cache; a load (:meth:`NvmeMasters.load_from_index`) fills one sub-group at a time
+  from the memory-mapped checkpoint and writes it back. ``state_dict()``, the
+  ``tensor_fragment`` accessors and ``set_*`` run over a *resident* copy: every sub-group
+  read back into one in-memory master (and state tensors) per group, exactly the layout of
+  ``offload_optimizer.device: "cpu"``, written back after a ``set_*``.
 
 Gradient norm, clipping and the fp16 overflow skip are unchanged (they read only the
 gradients, in memory); a skipped step touches no file. The norm is computed as the same
@@ -50,6 +56,7 @@ import torch
 from ...config.ds_config import check_nvme_path
 from ...config.errors import DeepSpeedConfigError
 from ...utils.logging import logger
+from ..swap_tensor.utils import map_file
 from .grad_reduce import transient_buffer
 from .streamed import sliced_norms, staging_buffer, sum_of_squares
 
@@ -302,6 +309,187 @@ class NvmeMasters:
                 o._frag_seg = {}
                 self._resident = False
 
+    # ------------------------------------------------------------------ checkpoints, streamed
+    @contextlib.contextmanager
+    def mapped_fragments(self):
+        """For a checkpoint save: give the owner and its optimizer, for the duration, one
+        tensor per fragment (and its state tensors) that views a private memory map of the
+        swap files (:meth:`OptimizerSwapper.map_sub_group`), laid out as ``_rank_state``
+        reads them. Nothing is copied into anonymous memory: ``torch.save`` (with
+        ``share_saved_tensors``) streams the pages from the page cache, which the kernel can
+        reclaim. A fragment that straddles sub-groups is assembled in a temporary file under
+        the swap directory (unlinked at once, mapped shared), so the saved fragments are
+        exactly those of the in-memory layout. Read-only: nothing is written back."""
+        if self._resident:
+            yield
+            return
+        o, inner = self.owner, self.inner
+        maps = {}
+
+        def view(s, name, lo, n):   # partition elements [lo, lo + n) of sub-group s's tensor `name`
+            if s.sg_id not in maps:
+                maps[s.sg_id] = self.swapper.map_sub_group(s.sg_id)
+            return maps[s.sg_id][name].narrow(0, lo - s.lo, n)
+
+        plans, straddle = [], 0
+        for g, sgs in enumerate(self.by_group):
+            stepped = [s.has_state for s in sgs]
+            if any(stepped) and not all(stepped):
+                raise RuntimeError(f"param group {g}: some sub-groups were stepped and some not "
+                                   f"(an optimizer step failed part way); the state cannot be read as a whole")
+            keys = list(self.keys[g]) if sgs and all(stepped) else []
+            items = []
+            for f in o.fragments[g]:
+                a, b = f.part_offset, f.part_offset + f.numel
+                inside = [s for s in sgs if s.lo < b and a < s.hi]
+                if len(inside) == 1:
+                    items.append((f, inside, None))
+                else:
+                    items.append((f, inside, straddle))
+                    straddle += f.numel * (1 + len(keys))
+            plans.append((keys, items))
+        saved_opt, saved_seg = list(o.opt_tensors), o._frag_seg
+        installed = []
+        self._resident = True
+        try:
+            big = None
+            if straddle:
+                tmp = os.path.join(self.swapper.swap_folder, f"checkpoint_straddlers.{os.getpid()}.tmp")
+                try:
+                    big = map_file(tmp, straddle, torch.float32, create=True)
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)      # the mapping keeps the pages; nothing is left behind on a crash
+            frag_seg = {}
+            for g, (keys, items) in enumerate(plans):
+                sgs = self.by_group[g]
+                scalars = ({k: v for k, v in inner.state.get(sgs[0].placeholder, {}).items() if k not in keys}
+                           if sgs else {})
+                tensors = []
+                for j, (f, inside, pos) in enumerate(items):
+                    if pos is None:
+                        vs = {n: view(inside[0], n, f.part_offset, f.numel) for n in ["param"] + keys}
+                    else:
+                        vs = {}
+                        for q, n in enumerate(["param"] + keys):
+                            dst = big.narrow(0, pos + q * f.numel, f.numel)
+                            for s in inside:
+                                a, b = max(f.part_offset, s.lo), min(f.part_offset + f.numel, s.hi)
+                                dst.narrow(0, a - f.part_offset, b - a).copy_(view(s, n, a, b - a))
+                            vs[n] = dst
+                    t = vs["param"]
+                    tensors.append(t)
+                    frag_seg[id(f)] = (j, 0)
+                    if keys:
+                        inner.state[t] = dict(scalars, **{k: vs[k] for k in keys})
+                        installed.append(t)
+                if not tensors:   # no fragment of this group on this rank: its scalars only
+                    t = torch.empty(0, dtype=torch.float32)
+                    tensors.append(t)
+                    if keys:
+                        inner.state[t] = dict(scalars)
+                        installed.append(t)
+                o.opt_tensors[g] = tensors
+            o._frag_seg = frag_seg
+            yield
+        finally:
+            for t in installed:
+                inner.state.pop(t, None)
+            for g, ts in enumerate(saved_opt):
+                o.opt_tensors[g] = ts
+            o._frag_seg = saved_seg
+            self._resident = False
+
+    def load_from_index(self, idx, load_optimizer_states: bool) -> None:
+        """A checkpoint load (``FlatStateMixin._load_from_index`` for NVMe), one sub-group at
+        a time: each is swapped in, its master (and with ``load_optimizer_states`` its state)
+        overwritten from the memory-mapped checkpoint, copied into the parameters, and
+        written back; then the scalars and hyperparameters go to the optimizer and the
+        parameters are all-gathered. Memory: the swap buffers only. Everything that can fail
+        for the checkpoint's content (missing parameters, elements or state, another
+        optimizer's state, group counts) is checked before any file is written."""
+        from ..checkpoint.errors import CheckpointError
+        from ..checkpoint.universal import apply_group_hyperparameters, load_torch_optimizer
+        o, inner = self.owner, self.inner
+        where = f"loading '{idx.directory}'"
+        idx.require([s.name for s in o.slots] if idx.complete
+                    else sorted({f.slot.name for frags in o.fragments for f in frags}))
+        with_state = bool(load_optimizer_states) and inner is not None
+        group_of = idx.group_of()
+        plans = []   # per group: (state keys loaded, scalars, {id(fragment): its state keys})
+        for g, frags in enumerate(o.fragments):
+            keys, scalars, keyed = None, {}, {}
+            for f in frags:
+                idx.check(f.slot.name, "fp32", f.param_start, f.numel)
+                keyed[id(f)] = idx.state_keys(f.slot.name) if with_state else []
+                if not keyed[id(f)]:
+                    continue
+                if keys is None:   # the group's state: the keys of its first fragment that has some
+                    keys = keyed[id(f)]
+                    scalars = idx.group_state[group_of.get(f.slot.name, 0)]
+                extra = sorted(set(keyed[id(f)]) - set(keys))
+                if extra:
+                    raise CheckpointError(f"{where}: parameter '{f.slot.name}' has optimizer state {extra} that "
+                                          f"the other parameters of its group lack ({sorted(keys)}).")
+                for k in keyed[id(f)]:
+                    idx.check(f.slot.name, k, f.param_start, f.numel)
+            keys = list(keys or [])
+            if keys and sorted(keys) != sorted(self.keys[g]):
+                raise RuntimeError(
+                    f"param group {g}: the loaded optimizer state has per-element entries {sorted(keys)}, "
+                    f"but {type(inner).__name__}'s swap files hold {sorted(self.keys[g])}; load a checkpoint "
+                    f"written with the same optimizer type.")
+            plans.append((keys, scalars, keyed))
+        if with_state:   # the group-count check of the hyperparameters, before anything is written
+            apply_group_hyperparameters(idx.param_groups, [{k: v for k, v in grp.items() if k != "params"}
+                                                           for grp in inner.param_groups], where)
+        index = {s.sg_id: s for s in self.subgroups}
+        for sg_id, t in self.swapper.iterate():
+            s = index[sg_id]
+            g = s.group
+            keys, _, keyed = plans[g]
+            if with_state:
+                for k in self.keys[g]:
+                    t[k].zero_()
+            for f in o.fragments[g]:
+                a, b = max(f.part_offset, s.lo), min(f.part_offset + f.numel, s.hi)
+                if a >= b:
+                    continue
+                start = f.param_start + a - f.part_offset
+                idx.read(f.slot.name, "fp32", start, b - a, out=t["param"].narrow(0, a - s.lo, b - a))
+                for k in keyed[id(f)]:
+                    idx.read(f.slot.name, k, start, b - a, out=t[k].narrow(0, a - s.lo, b - a))
+            o._copy_partition_to_params(g, s.lo, s.hi, t["param"])
+        if with_state:
+            states = {}
+            for g, sgs in enumerate(self.by_group):
+                keys, scalars, _ = plans[g]
+                for s in sgs:
+                    s.has_state = bool(keys)
+                    if keys:   # one copy per sub-group: optimizers update scalars like `step` in place
+                        states[id(s.placeholder)] = {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v))
+                                                     for k, v in scalars.items()}
+            load_torch_optimizer(inner, states, idx.param_groups, where)
+            saved = idx.loss_scaler
+            if saved is not None and o.scaler.dynamic and saved.get("dynamic"):
+                o.scaler.load_state_dict(saved)
+        if o.n_parts > 1:
+            o._all_gather_params()
+
+    def masters_from_module(self) -> None:
+        """``after_module_load`` for NVMe (module weights loaded without optimizer state): each
+        sub-group's master follows the module's parameters, one sub-group at a time; the
+        optimizer state in the files is kept."""
+        o = self.owner
+        index = {s.sg_id: s for s in self.subgroups}
+        for sg_id, t in self.swapper.iterate():
+            s = index[sg_id]
+            for f in o.fragments[s.group]:
+                a, b = max(f.part_offset, s.lo), min(f.part_offset + f.numel, s.hi)
+                if a < b:
+                    src = f.slot.param.detach().reshape(-1).narrow(0, f.param_start + a - f.part_offset, b - a)
+                    t["param"].narrow(0, a - s.lo, b - a).copy_(src)
+
     def _write_back(self, fulls, saved_params) -> None:
         inner = self.inner
         for g, full in enumerate(fulls):
@@ -352,13 +540,24 @@ class NvmeStateAccess:
         with self._nvme_resident(False):
             return super()._rank_state(dp_rank, mp_rank)
 
+    def save_optimizer_state(self, writer, dp_rank, mp_rank):
+        if self._nvme is None or self._nvme.is_resident or not (self.partition_master or dp_rank == 0):
+            return super().save_optimizer_state(writer, dp_rank, mp_rank)
+        # the fragments as views of the memory-mapped swap files, saved without a copy: the
+        # state streams from the page cache instead of being held in anonymous memory
+        from ..checkpoint.universal import share_saved_tensors
+        with self._nvme.mapped_fragments(), share_saved_tensors():
+            super().save_optimizer_state(writer, dp_rank, mp_rank)
+
     def _load_from_index(self, idx, load_optimizer_states: bool) -> None:
-        with self._nvme_resident(True):
-            super()._load_from_index(idx, load_optimizer_states)
+        if self._nvme is None or self._nvme.is_resident:
+            return super()._load_from_index(idx, load_optimizer_states)
+        self._nvme.load_from_index(idx, load_optimizer_states)   # sub-group by sub-group
 
     def after_module_load(self) -> None:
-        with self._nvme_resident(True):
-            super().after_module_load()
+        if self._nvme is None or self._nvme.is_resident:
+            return super().after_module_load()
+        self._nvme.masters_from_module()
 
     def _local(self, param, what: str, key: Optional[str] = None):
         if self._nvme is None or self._nvme.is_resident or what == "grad":

@@ -28,6 +28,7 @@ them as DeepSpeed does (:func:`swapper_from_config`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Tuple
@@ -38,7 +39,7 @@ from deepspeed.ops.aio.direct import ALIGNMENT, aligned_numel
 
 from .aio_config import aio_handle_from_config, get_aio_config
 from .swap_files import SwapDirectory
-from .utils import SwapBufferManager
+from .utils import SwapBufferManager, map_file
 
 
 class SubGroupSwapInfo:
@@ -116,15 +117,41 @@ class OptimizerSwapper:
             if t.numel() != math.prod(shape) or t.dtype != self.dtype:
                 raise ValueError(f"sub-group {sg_id!r}: tensor '{name}' is {tuple(t.shape)} {t.dtype}, "
                                  f"the swapped one is {shape} {self.dtype}")
+        with self.overwrite_sub_group(sg_id) as views:
+            for view, t in zip(views.values(), tensors.values()):
+                view.copy_(t.detach().reshape(view.shape))
+
+    @contextlib.contextmanager
+    def overwrite_sub_group(self, sg_id: Hashable) -> Iterator[Dict[str, torch.Tensor]]:
+        """Replace a registered sub-group's stored tensors in place: yields views of a zeroed
+        swap buffer laid out as the sub-group; the caller fills them, and on a normal exit
+        the buffer is written to the sub-group's file (synchronously). If the body raises,
+        nothing is written. No copy outside the buffer (checkpoint loads fill it straight
+        from the memory-mapped checkpoint)."""
+        info = self._info(sg_id)
+        if sg_id in self._resident:
+            raise RuntimeError(f"sub-group {sg_id!r} is swapped in; swap it out before overwriting it")
         buf = self._acquire(info.total)
         try:
             buf.zero_()
-            for view, t in zip(info.views(buf).values(), tensors.values()):
-                view.copy_(t.detach().reshape(view.shape))
+            yield info.views(buf)
             self.write_handle.sync_pwrite(buf, info.path)
             self.stats["bytes_written"] += buf.numel() * self.element_size
         finally:
             self._buffers.free([buf])
+
+    def map_sub_group(self, sg_id: Hashable) -> Dict[str, torch.Tensor]:
+        """A sub-group's stored tensors as views of a private memory map of its swap file
+        (:func:`~.utils.map_file`): no copy and no anonymous memory; pages come in from the
+        file as they are read and the kernel can drop them again. For checkpoint saves of
+        state larger than RAM. The views show the file as it is now: drop them before the
+        sub-group is written again (the next ``iterate``/``swap_out``/``write_sub_group``).
+        Writes to them never reach the file."""
+        info = self._info(sg_id)
+        if sg_id in self._resident or (self._reading is not None and self._reading[0] == sg_id):
+            raise RuntimeError(f"sub-group {sg_id!r} is swapped in; its file may not hold its current values")
+        self._wait_writes()
+        return info.views(map_file(info.path, info.total, self.dtype))
 
     def read_sub_group(self, sg_id: Hashable) -> Dict[str, torch.Tensor]:
         """A copy of a sub-group's stored tensors (for checkpoints and inspection)."""

@@ -1,8 +1,15 @@
-"""Small swap helpers under DeepSpeed's names: submit lists of swaps, a pool of aligned buffers."""
+"""Small swap helpers under DeepSpeed's names: submit lists of swaps, a pool of aligned buffers;
+and :func:`map_file`, a tensor over a memory-mapped file."""
 from __future__ import annotations
 
+import errno
+import mmap
+import os
+import platform
+import sys
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from deepspeed.ops.aio.direct import ALIGNMENT
@@ -80,3 +87,58 @@ class SwapBufferManager:
         for buf in self.all_buffers:
             self._handle.free_cpu_locked_tensor(buf)
         self.all_buffers, self.free_buffer_index, self.used_buffer_index = [], [], {}
+
+
+# Linux's MAP_NORESERVE where Python's mmap module lacks the name (it has it from 3.13 on some
+# builds); 0 (no flag) on machines whose value differs or is unknown here
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") and
+                         platform.machine() in ("x86_64", "aarch64", "arm64", "riscv64", "s390x") else 0)
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+                 torch.int64: np.int64, torch.int32: np.int32, torch.uint8: np.uint8}
+
+
+def map_file(path: str, numel: int, dtype: torch.dtype = torch.float32, *, create: bool = False) -> torch.Tensor:
+    """A 1-D CPU tensor over the first ``numel`` elements of the file ``path``, memory-mapped.
+
+    Its pages are file-backed (page cache), not anonymous memory: the kernel reads them in
+    on first touch and can drop them again under memory pressure (written back first when
+    dirty), so a tensor much larger than RAM can be read or written through.
+
+    * ``create=False``: a private (copy-on-write) mapping of an existing file of at least
+      ``numel`` elements; writes to the tensor never reach the file. The tensor shows the
+      file as it is when each page is first read: do not keep it across a write to the file.
+      Mapped with ``MAP_NORESERVE``: under the kernel's default (heuristic) overcommit a
+      private writable mapping larger than RAM + swap is refused otherwise, although pages
+      that are only read never need the reservation.
+    * ``create=True``: the file is created (or resized) to ``numel`` elements, its blocks
+      allocated, and mapped shared: writes to the tensor go to the file.
+
+    The mapping lives as long as the tensor (and any view or alias of it); the file may be
+    unlinked while mapped. Pages are advised sequential (read-ahead, early reclaim)."""
+    if dtype not in _NUMPY_DTYPES:
+        raise ValueError(f"map_file: {dtype} is not supported (use one of {sorted(map(str, _NUMPY_DTYPES))})")
+    nbytes = int(numel) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    fd = os.open(path, (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+            try:   # blocks now: a full disk fails here (ENOSPC), not as SIGBUS on a later write
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as err:
+                if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+        elif os.fstat(fd).st_size < nbytes:
+            raise OSError(f"map_file: '{path}' holds {os.fstat(fd).st_size} bytes, {nbytes} were asked for")
+        if create:
+            mm = mmap.mmap(fd, nbytes, access=mmap.ACCESS_WRITE)
+        else:
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    if hasattr(mm, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
+        mm.madvise(mmap.MADV_SEQUENTIAL)
+    # the array holds the mmap object (buffer export); the tensor holds the array
+    return torch.from_numpy(np.frombuffer(mm, dtype=_NUMPY_DTYPES[dtype]))

@@ -13,7 +13,7 @@ import torch
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.universal import (FragmentIndex, apply_group_hyperparameters, load_state_keeping_groups,
-                                    make_rank_state, optim_file_name)
+                                    make_rank_state, optim_file_name, share_saved_tensors)
 from .partitioned_param import owned_range
 
 
@@ -25,17 +25,26 @@ def _names(module):
 
 
 def save_stage3_optimizer_state(strategy, writer, dp_rank: int, mp_rank: int) -> None:
-    writer.save(optim_file_name(dp_rank, mp_rank), stage3_rank_state(strategy, dp_rank, mp_rank))
+    name = optim_file_name(dp_rank, mp_rank)
+    if strategy.parts.nvme is None:
+        writer.save(name, stage3_rank_state(strategy, dp_rank, mp_rank))
+        return
+    # offload_optimizer nvme: the fragments are views of memory-mapped swap files, saved
+    # without a copy, so torch.save streams the state from the page cache (file-backed
+    # pages the kernel can drop) instead of holding it in anonymous memory
+    with share_saved_tensors():
+        writer.save(name, stage3_rank_state(strategy, dp_rank, mp_rank, mapped=True))
 
 
-def stage3_rank_state(strategy, dp_rank: int, mp_rank: int) -> dict:
-    """This rank's optimizer-side state in the shared fragment format."""
+def stage3_rank_state(strategy, dp_rank: int, mp_rank: int, mapped: bool = False) -> dict:
+    """This rank's optimizer-side state in the shared fragment format (``mapped``: with NVMe,
+    views of the memory-mapped swap files, to be saved at once and dropped)."""
     names = _names(strategy.module)
     opt = strategy.inner
     parts = strategy.parts
     params, group_scalars = {}, [dict() for _ in parts.group_hparams]
     for ci, c in enumerate(parts.chunks):
-        master, per_elem, scalars = parts.chunk_state(ci, opt)   # read back from swap files with NVMe
+        master, per_elem, scalars = parts.chunk_state(ci, opt, mapped=mapped)   # from the swap files with NVMe
         if scalars and not group_scalars[c.group]:
             group_scalars[c.group] = scalars
         for p, off in zip(c.params, c.offsets):
@@ -69,6 +78,23 @@ def load_stage3_optimizer_state(strategy, reader, load_optimizer_states: bool = 
     load_stage3_from_index(strategy, FragmentIndex(reader.path, mp_rank), f"Checkpoint '{reader.path}'")
 
 
+def _read_chunk(idx, names, c, master, per_elem, keys, from_fp32: bool, where: str) -> None:
+    """The elements this rank owns of chunk ``c``'s parameters, from the checkpoint into
+    ``master`` and ``per_elem`` (chunk-indexed; read in place, no temporaries)."""
+    for p, off in zip(c.params, c.offsets):
+        name = names[id(p)]
+        lo, hi = owned_range(p)
+        k = hi - lo
+        if from_fp32 and k > 0:
+            idx.read(name, "fp32", lo, k, out=master[off:off + k])
+        if set(idx.state_keys(name)) != set(keys):
+            raise CheckpointError(f"{where}: parameter '{name}' has optimizer state "
+                                  f"{sorted(idx.state_keys(name))}, its neighbours {sorted(keys)}.")
+        for key in keys:
+            if k > 0:
+                idx.read(name, key, lo, k, out=per_elem[key][off:off + k])
+
+
 def load_stage3_from_index(strategy, idx: FragmentIndex, where: str) -> None:
     """Restore masters, optimizer state and hyperparameters (into the live group dicts)
     from fragments of any stage and world size."""
@@ -78,36 +104,24 @@ def load_stage3_from_index(strategy, idx: FragmentIndex, where: str) -> None:
                  if idx.complete or owned_range(p)[1] > owned_range(p)[0]])
     from_fp32 = strategy.ctx.config.zero.load_from_fp32_weights
     opt = strategy.inner
-    sd_state, index = {}, 0
-    for c in parts.chunks:
-        keys = None
-        per_elem = {}
-        master = parts.master_for_load(index)   # with NVMe: a chunk-sized copy, written to the swapper below
-        for p, off, s in zip(c.params, c.offsets, c.sizes):
-            name = names[id(p)]
-            lo, hi = owned_range(p)
-            k = hi - lo
-            if from_fp32 and k > 0:
-                master[off:off + k].copy_(idx.read(name, "fp32", lo, k))
-            if keys is None:
-                keys = idx.state_keys(name)
-                per_elem = {key: torch.zeros(c.numel, dtype=torch.float32) for key in keys}
-            if set(idx.state_keys(name)) != set(keys):
-                raise CheckpointError(f"{where}: parameter '{name}' has optimizer state "
-                                      f"{sorted(idx.state_keys(name))}, its neighbours {sorted(keys)}.")
-            for key in keys:
-                if k > 0:
-                    per_elem[key][off:off + k].copy_(idx.read(name, key, lo, k))
-        if per_elem:
+    sd_state = {}
+    for index, c in enumerate(parts.chunks):
+        keys = idx.state_keys(names[id(c.params[0])])
+        if parts.nvme is not None:
+            # straight into a swap buffer (written to the chunk's file on exit): per-element
+            # state to the swap files, scalars to the optimizer below
+            with parts.nvme.chunk_for_load(index, keys, where) as (master, per_elem):
+                _read_chunk(idx, names, c, master, per_elem, keys, from_fp32, where)
+            st = {}
+        else:
+            master = parts.master_for_load(index)
+            per_elem = {key: torch.zeros(c.numel, dtype=torch.float32) for key in keys}
+            _read_chunk(idx, names, c, master, per_elem, keys, from_fp32, where)
             st = dict(per_elem)
+        if keys:
             for key, v in idx.group_state[c.group].items():
                 st[key] = v.clone() if torch.is_tensor(v) else torch.tensor(float(v))
             sd_state[index] = st
-        if parts.nvme is not None:   # per-element state to the swap files; scalars to the optimizer
-            parts.nvme.load_chunk(index, master, per_elem, where)
-            if index in sd_state:
-                sd_state[index] = {k: v for k, v in sd_state[index].items() if k not in per_elem}
-        index += 1
     if not from_fp32:
         parts.refresh_master_from_partitions()
     if opt is not None:

@@ -124,16 +124,17 @@ class MasterPartitions:
             raise
         self.nvme = nv
 
-    def chunk_state(self, index: int, optimizer):
-        """(fp32 master, per-element optimizer state, scalar state) of chunk ``index`` (the
-        swapped ones read back as ordinary tensors with NVMe)."""
+    def chunk_state(self, index: int, optimizer, mapped: bool = False):
+        """(fp32 master, per-element optimizer state, scalar state) of chunk ``index`` (with
+        NVMe the swapped ones read back as ordinary tensors, or with ``mapped`` as views of a
+        memory map of the swap file, for a checkpoint save)."""
         from ..checkpoint.universal import split_param_state
         c = self.chunks[index]
         state = optimizer.state.get(c.master, {}) if optimizer is not None else {}
         per_elem, scalars = split_param_state(state, c.master.shape)
         if self.nvme is None:
             return c.master, per_elem, scalars
-        master, per_elem = self.nvme.chunk_state(index)
+        master, per_elem = self.nvme.chunk_state(index, mapped=mapped)
         return master, per_elem, scalars
 
     def master_for_load(self, index: int) -> torch.Tensor:

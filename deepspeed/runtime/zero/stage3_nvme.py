@@ -22,8 +22,11 @@ for Adam; whatever tensors shaped like the parameter the optimizer keeps). Scala
   buffer is written back. A chunk never stepped before (fresh run, or loaded from a
   checkpoint without optimizer state) lets the optimizer create its state in memory as it
   always does; that state is copied into the swap buffer after the update and dropped.
-* **Checkpoints**: :meth:`chunk_state` reads one chunk back into ordinary tensors (what the
-  fragment checkpoint stores: no swap paths), :meth:`load_chunk` writes one back.
+* **Checkpoints**: a save takes each chunk as views of a memory map of its swap file
+  (:meth:`chunk_state` with ``mapped=True``), so ``torch.save`` streams the state from the
+  page cache and no copy of it is made in anonymous memory; a load fills one swap buffer per
+  chunk straight from the memory-mapped checkpoint (:meth:`chunk_for_load`). The files
+  are the ordinary stage-3 fragment files (no swap paths).
 * **Lifecycle**: :meth:`close` (from ``engine.destroy()``) deletes the run's swap files;
   a crashed run's directory is removed by the next swapper on the same ``nvme_path``
   (:mod:`deepspeed.runtime.swap_tensor.swap_files`).
@@ -33,6 +36,8 @@ Parameter partitions are read and written only inside
 partitions (``offload_param.device: nvme``) are resident for one chunk only.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -199,30 +204,36 @@ class NvmeMasters:
                 self.swapper.release(i)
 
     # -- checkpoints -----------------------------------------------------------------------
-    def chunk_state(self, i: int):
-        """(master, per-element state) of chunk ``i`` as ordinary tensors; state is empty for
-        a chunk never stepped (as the optimizer's own state would be)."""
-        t = self.swapper.read_sub_group(i)
+    def chunk_state(self, i: int, mapped: bool = False):
+        """(master, per-element state) of chunk ``i``; state is empty for a chunk never
+        stepped (as the optimizer's own state would be). ``mapped=False``: ordinary tensors
+        (a copy). ``mapped=True``: views of a private memory map of the chunk's swap file
+        (file-backed pages, no copy), for a checkpoint save that writes them at once and
+        drops them before the next step (see ``OptimizerSwapper.map_sub_group``)."""
+        t = self.swapper.map_sub_group(i) if mapped else self.swapper.read_sub_group(i)
         master = t.pop(PARAM_KEY)
         return master, (t if i in self.stepped else {})
 
-    def load_chunk(self, i: int, master, per_elem: dict, where: str) -> None:
-        """Overwrite chunk ``i``: ``master`` (None: from the partitions) and per-element state
-        (empty: the chunk starts fresh, as an optimizer without state does)."""
+    @contextlib.contextmanager
+    def chunk_for_load(self, i: int, keys, where: str):
+        """Overwrite chunk ``i`` in place: yields ``(master, per_elem)``, views of a zeroed swap
+        buffer, the master pre-filled from the parameters' partitions and ``per_elem`` holding
+        the state tensors ``keys`` (empty: the chunk starts fresh, as an optimizer without
+        state does); the caller fills them, and on a normal exit the buffer is written to the
+        chunk's file. Nothing chunk-sized is allocated besides the swap buffer."""
         from ..checkpoint.errors import CheckpointError
         c = self.parts.chunks[i]
-        keys = self.keys.get(c.group, [])
-        if per_elem and set(per_elem) != set(keys):
-            raise CheckpointError(f"{where}: the checkpoint has optimizer state {sorted(per_elem)} but this "
-                                  f"optimizer ({type(self.optimizer).__name__}) keeps {sorted(keys)} in the NVMe "
+        own = self.keys.get(c.group, [])
+        keys = list(keys or [])
+        if keys and set(keys) != set(own):
+            raise CheckpointError(f"{where}: the checkpoint has optimizer state {sorted(keys)} but this "
+                                  f"optimizer ({type(self.optimizer).__name__}) keeps {sorted(own)} in the NVMe "
                                   f"swapper; load with load_optimizer_states=False or use the same optimizer.")
-        if master is None:
-            master = self._master_from_partitions(c)
-        zeros = torch.zeros(1, dtype=_FP32).expand(c.numel)
-        tensors = {PARAM_KEY: master.to(_FP32)}
-        tensors.update({k: (per_elem[k].to(_FP32) if per_elem else zeros) for k in keys})
-        self.swapper.write_sub_group(i, tensors)
-        if per_elem:
+        with self.swapper.overwrite_sub_group(i) as views:
+            master = views[PARAM_KEY]
+            self._master_from_partitions(c, out=master)
+            yield master, {k: views[k] for k in keys}
+        if keys:
             self.stepped.add(i)
         else:
             self.stepped.discard(i)
