@@ -633,6 +633,76 @@ def test_cpu_offload_matches_no_offload(name):
     _spawn(_offload_body, name)
 
 
+# ============================================================================ NVMe offload (ZeRO-Infinity)
+NVME_CASES = {
+    "z2_optimizer_nvme": (2, "fp32", ("offload_optimizer",)),
+    "z3_optimizer_and_param_nvme": (3, "fp32", ("offload_optimizer", "offload_param")),
+    "z3_optimizer_and_param_nvme_bf16": (3, "bf16", ("offload_optimizer", "offload_param")),
+}
+
+
+def _nvme_body(rank, world, name):
+    """Training on the GPU with state on NVMe equals the same run with that state in (pinned)
+    host memory: the same CPU optimizer on the same gradients, so fp32 is bit-identical; the
+    checkpoint of the NVMe run resumes to the same masters; swap files are gone after destroy."""
+    import tempfile
+    _init()
+    stage, dtype, where = NVME_CASES[name]
+    batches = lm_batches(STEPS, MB * GAS, seed=5)
+    root = tempfile.mkdtemp(prefix="gpu_nvme_")
+    nvme = os.path.join(root, "swap")
+    os.makedirs(nvme)
+
+    def sections(device):
+        out = {"sub_group_size": 20000}
+        for key in where:
+            sec = {"device": device, "pin_memory": True}
+            if device == "nvme":
+                sec["nvme_path"] = nvme
+                if key == "offload_param":
+                    sec.update(buffer_count=4, buffer_size=200000, max_in_cpu=0)
+            out[key] = sec
+        return out
+
+    ref = build_engine(zero_config(stage, gas=GAS, mb=MB, dtype=dtype, optimizer=ADAMW, **sections("cpu")))
+    train_engine(ref, batches)
+    want = engine_masters(ref)
+    ref.destroy()
+    del ref
+    engine = build_engine(zero_config(stage, gas=GAS, mb=MB, dtype=dtype, optimizer=ADAMW, **sections("nvme")))
+    assert engine.device.type == DEV
+    train_engine(engine, batches[:2])
+    swap_files = [f for _, _, fs in os.walk(nvme) for f in fs]
+    assert swap_files, "no swap files under nvme_path while training"
+    ck = os.path.join(root, "ck")
+    engine.save_checkpoint(ck, tag="t")
+    train_engine(engine, batches[2:])
+    got = engine_masters(engine)
+    engine.destroy()
+    assert not [f for _, _, fs in os.walk(nvme) for f in fs], "swap files left after destroy()"
+    del engine
+    # the same CPU optimizer on the same gradients; the host-memory run's streamed step may
+    # order the fp32 arithmetic differently, so: within float rounding (fp32), bf16's tolerance
+    _close(got, want, what=name, **(dict(atol=2e-6, rtol=1e-5) if dtype == "fp32" else dict(atol=5e-3, rtol=0)))
+    resumed = build_engine(zero_config(stage, gas=GAS, mb=MB, dtype=dtype, optimizer=ADAMW, **sections("nvme")),
+                           seed=1)
+    resumed.load_checkpoint(ck, tag="t")
+    train_engine(resumed, batches[2:])
+    again = engine_masters(resumed)
+    resumed.destroy()
+    for n in got:
+        assert torch.equal(again[n], got[n]), f"{name}: resumed {n} differs from the uninterrupted run"
+    import shutil
+    shutil.rmtree(root, ignore_errors=True)
+    return {"swap_files": len(swap_files), "max_err_vs_host_memory": _max_err(got, want)}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", list(NVME_CASES))
+def test_nvme_offload_on_cuda_matches_host_memory_offload(name):
+    _spawn(_nvme_body, name)
+
+
 # ============================================================================ activation checkpointing
 class DropBlock(nn.Module):
     def __init__(self, d, use_tracker):
