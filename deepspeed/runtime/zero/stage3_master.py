@@ -254,6 +254,10 @@ class MasterPartitions:
             staging = staging_buffer(max(c.numel for c in wave), self.stream_chunk)
             optimizer.step_streamed(fill, staging, copy_back, grad_mult=coef, params=[c.master for c in wave])
             return
+        self._step_wave_whole(optimizer, wave, coef)
+
+    def _step_wave_whole(self, optimizer, wave, coef) -> None:
+        """One ``optimizer.step()`` over the wave's masters with fp32 copies of the gradients."""
         for c in wave:
             g = c.grad
             if g.dtype != _FP32 or g.device != c.master.device:
@@ -264,8 +268,12 @@ class MasterPartitions:
         optimizer.step()
         for c in wave:
             c.master.grad = None
-            if c.lp is not c.master:
-                c.lp.copy_(c.master, non_blocking=True)
+            self._master_to_lp(c)
+
+    def _master_to_lp(self, c) -> None:
+        """The updated master into the chunk's training-dtype partitions."""
+        if c.lp is not c.master:
+            c.lp.copy_(c.master, non_blocking=True)
 
     def refresh_master_from_partitions(self, params=None) -> None:
         """Copy partitions (e.g. just loaded or modified) into the fp32 master."""

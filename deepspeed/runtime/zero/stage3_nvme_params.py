@@ -92,20 +92,13 @@ class SwappedPartitionMasters(MasterPartitions):
     def _step_wave(self, optimizer, wave, coef) -> None:
         if all(c.lp is not None for c in wave):
             return super()._step_wave(optimizer, wave, coef)
-        for c in wave:
-            g = c.grad
-            if g.dtype != _FP32 or g.device != c.master.device:
-                g = g.to(device=c.master.device, dtype=_FP32)
-            if coef != 1.0:
-                g.mul_(coef)
-            c.master.grad = g
-        optimizer.step()
-        for c in wave:
-            c.master.grad = None
-            if c.lp is None:
-                master_to_partitions(c, c.master)
-            elif c.lp is not c.master:
-                c.lp.copy_(c.master)
+        self._step_wave_whole(optimizer, wave, coef)
+
+    def _master_to_lp(self, c) -> None:
+        if c.lp is None:            # NVMe-backed partitions: written back one at a time
+            master_to_partitions(c, c.master)
+        else:
+            super()._master_to_lp(c)
 
     def refresh_master_from_partitions(self, params=None) -> None:
         if self.nvme is not None or all(c.lp is not None for c in self.chunks):
