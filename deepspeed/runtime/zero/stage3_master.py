@@ -268,12 +268,12 @@ class MasterPartitions:
         optimizer.step()
         for c in wave:
             c.master.grad = None
-            self._master_to_lp(c)
+            self._master_to_lp(c, non_blocking=True)
 
-    def _master_to_lp(self, c) -> None:
+    def _master_to_lp(self, c, non_blocking: bool = False) -> None:
         """The updated master into the chunk's training-dtype partitions."""
         if c.lp is not c.master:
-            c.lp.copy_(c.master, non_blocking=True)
+            c.lp.copy_(c.master, non_blocking=non_blocking)
 
     def refresh_master_from_partitions(self, params=None) -> None:
         """Copy partitions (e.g. just loaded or modified) into the fp32 master."""
@@ -296,12 +296,11 @@ class MasterPartitions:
             self.nvme.copy_to_partitions()
             return
         for c in self.chunks:
-            if c.lp is not c.master:
-                c.lp.copy_(c.master)
+            self._master_to_lp(c)
 
     # -- accounting ------------------------------------------------------------------------
     def bytes(self) -> dict:
-        lp = sum(c.lp.numel() * c.lp.element_size() for c in self.chunks)
+        lp = sum(c.lp.numel() * c.lp.element_size() for c in self.chunks if c.lp is not None)
         master = sum(c.master.numel() * 4 for c in self.chunks if c.master is not c.lp)
         grads = sum(c.grad.numel() * c.grad.element_size() for c in self.chunks)
         out = {"param_partitions": lp, "master": master, "grads": grads}

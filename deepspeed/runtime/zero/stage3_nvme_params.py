@@ -94,11 +94,11 @@ class SwappedPartitionMasters(MasterPartitions):
             return super()._step_wave(optimizer, wave, coef)
         self._step_wave_whole(optimizer, wave, coef)
 
-    def _master_to_lp(self, c) -> None:
+    def _master_to_lp(self, c, non_blocking: bool = False) -> None:
         if c.lp is None:            # NVMe-backed partitions: written back one at a time
             master_to_partitions(c, c.master)
         else:
-            super()._master_to_lp(c)
+            super()._master_to_lp(c, non_blocking)
 
     def refresh_master_from_partitions(self, params=None) -> None:
         if self.nvme is not None or all(c.lp is not None for c in self.chunks):
@@ -116,20 +116,3 @@ class SwappedPartitionMasters(MasterPartitions):
                 else:
                     c.master[off:off + s].copy_(c.lp[off:off + s])
 
-    def copy_master_to_partitions(self) -> None:
-        if self.nvme is not None:
-            return super().copy_master_to_partitions()
-        for c in self.chunks:
-            if c.lp is None:
-                master_to_partitions(c, c.master)
-            elif c.lp is not c.master:
-                c.lp.copy_(c.master)
-
-    def bytes(self) -> dict:
-        lp = sum(c.lp.numel() * c.lp.element_size() for c in self.chunks if c.lp is not None)
-        master = sum(c.master.numel() * 4 for c in self.chunks if c.master is not c.lp)
-        grads = sum(c.grad.numel() * c.grad.element_size() for c in self.chunks)
-        out = {"param_partitions": lp, "master": master, "grads": grads}
-        if self.nvme is not None:
-            out["nvme_swap_buffers"] = self.nvme.buffer_bytes()
-        return out
