@@ -38,7 +38,10 @@ def run_case(cfg, dtype, kp_mode="add", am_mode="mul", masks=True, batch=2):
     random.seed(11)
     att = SparseSelfAttention(cfg, key_padding_mask_mode=kp_mode, attn_mask_mode=am_mode, max_seq_length=256)
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(batch, H, L, D, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
+    # drawn in fp32 (fp64) and rounded: torch.randn(dtype=bf16) draws other numbers than the fp32
+    # draw on some torch versions (2.11), which would compare bf16 against other inputs
+    draw = torch.float64 if dtype == torch.float64 else torch.float32
+    q, k, v = (torch.randn(batch, H, L, D, generator=g, dtype=draw).to(dtype).requires_grad_() for _ in range(3))
     kp = am = None
     bias = torch.zeros(batch, 1, L, L, dtype=torch.float64)
     if masks:
