@@ -63,7 +63,7 @@ def run_case(cfg, dtype, kp_mode="add", am_mode="mul", masks=True, batch=2):
             bias = bias + am.double()
     out = att(q, k, v, key_padding_mask=kp, attn_mask=am)
     ref = dense_reference(q, k, v, att.get_layout(L), bias)
-    grad = torch.randn(out.shape, generator=g, dtype=dtype)
+    grad = torch.randn(out.shape, generator=g, dtype=draw).to(dtype)
     gs = torch.autograd.grad(out, (q, k, v), grad)
     gr = torch.autograd.grad(ref, (q, k, v), grad)
     return out, ref, gs, gr
