@@ -26,6 +26,7 @@ import torch
 
 from ..runtime.checkpoint.errors import CheckpointError
 from ..runtime.checkpoint.universal import FragmentIndex, list_rank_files
+from ..runtime.swap_tensor.utils import map_file
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
            "load_state_dict_from_zero_checkpoint", "get_optim_files", "get_model_state_files",
@@ -148,8 +149,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file:
     part = output_file + ".part"
     try:
         # One file-backed fp32 buffer receives every assembled parameter: pages go to the
-        # page cache (reclaimable), not to this process's anonymous memory.
-        buf = torch.from_file(tmp, shared=True, size=max(total, 1), dtype=torch.float32)
+        # page cache (reclaimable), not to this process's anonymous memory; its blocks are
+        # allocated up front, so a full disk is an OSError here, not a SIGBUS mid-copy.
+        buf = map_file(tmp, total, torch.float32, create=True)
         sd, off = OrderedDict(), 0
         for name, src in entries:
             if isinstance(src, str):
