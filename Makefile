@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test test-all demo bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -17,8 +17,13 @@ $(STAMP): $(VPY) pyproject.toml
 
 install: $(STAMP)
 
+# `make test`: the CI suite (budget: 10 minutes on 2 quiet cores). Tests marked `slow` are the
+# exhaustive variants (long parity runs, client matrices, benchmarks-as-tests): `make test-all`.
 test: $(STAMP)
-	$(VPY) -m pytest tests -x -q -p no:cacheprovider
+	$(VPY) -m pytest tests -x -q -p no:cacheprovider -m "not slow"
+
+test-all: $(STAMP)
+	$(VPY) -m pytest tests -q -p no:cacheprovider
 
 demo: $(STAMP)
 	$(VENV)/bin/deepspeed --num_procs 2 examples/train_gpt.py --deepspeed --deepspeed_config examples/ds_config.json
