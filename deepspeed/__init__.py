@@ -5,16 +5,7 @@ JSON config; the ``deepspeed`` launcher starts the processes.
 """
 from __future__ import annotations
 
-try:
-    from importlib.metadata import PackageNotFoundError, version as _pkg_version
-    __version__ = _pkg_version("deepspeed")
-except Exception:  # running from a source tree without an install
-    __version__ = "0.16.0"
-
-from packaging.version import Version as _V
-
-_v = _V(__version__)
-__version_major__, __version_minor__, __version_patch__ = _v.major, _v.minor, _v.micro
+from ._version import __version__, __version_major__, __version_minor__, __version_patch__  # noqa: F401
 __git_hash__ = None
 __git_branch__ = None
 

@@ -278,7 +278,6 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False):
     rank's total latency minus the smallest across ranks, i.e. the time lost waiting
     for the slowest rank. Returns the table text (or the raw dict with ``return_dict``)."""
     import torch.distributed as dist
-    from ..utils.logging import log_dist
     was = comms_logger.enabled
     comms_logger.enabled = False  # the straggler reduction itself is not logged
     try:
@@ -299,7 +298,10 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False):
         text = comms_logger.format_summary(rows, show_straggler=mins is not None)
     finally:
         comms_logger.enabled = was
-    log_dist("Communication summary\n" + text, ranks=[0])
+    # DeepSpeed prints the table on rank 0 (print, not the logger): it shows even when the user has
+    # quieted the DeepSpeed logger, and redirecting stdout captures it.
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        print("Communication summary\n" + text, flush=True)
     if return_dict:
         return {label: dict(v) for label, v in comms_logger.comms_dict.items()}
     return text

@@ -47,7 +47,8 @@ class DeepSpeedConfigModel(DSConfigModel):
     memory_breakdown: bool = False
     prescale_gradients: bool = False
     gradient_predivide_factor: float = Field(1.0, gt=0)
-    gradient_clipping: float = Field(0.0, ge=0)  # DeepSpeed's GRADIENT_CLIPPING_DEFAULT is 0 (off)
+    # DeepSpeed 0.19.3+ GRADIENT_CLIPPING_DEFAULT is 1.0 (was 0); the config reference documents 1.0.
+    gradient_clipping: float = Field(1.0, ge=0)
     dataloader_drop_last: bool = False
     communication_data_type: Optional[str] = None
     seq_parallel_communication_data_type: Optional[str] = None

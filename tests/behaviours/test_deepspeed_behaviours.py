@@ -123,18 +123,36 @@ def test_client_optimizer_wins_over_config_section(caplog_ds):
     assert opt.param_groups[0]["lr"] == pytest.approx(0.025)  # the client's StepLR stepped
 
 
-def test_gradient_clipping_default_is_off():
-    """DeepSpeed source (runtime/constants.py): GRADIENT_CLIPPING_DEFAULT = 0. (the issue's
-    "1.0" is Hugging Face's max_grad_norm default, which the Trainer writes into 'auto')."""
+def test_gradient_clipping_default_is_one():
+    """DeepSpeed 0.19.3+ (runtime/constants.py GRADIENT_CLIPPING_DEFAULT = 1.0) and the config
+    reference: with no `gradient_clipping` key the update clips the global gradient norm to 1.0."""
     model = make_model()
     ref = copy.deepcopy(model)
     engine, *_ = deepspeed.initialize(model=model, config=_cfg(optimizer={"type": "SGD", "params": {"lr": 0.1}}))
-    assert engine.gradient_clipping() == 0.0
+    assert engine.gradient_clipping() == 1.0
     x, y = torch.randn(2, 8) * 50, torch.randn(2, 4) * 50   # gradient norm far above 1
     engine.backward(engine(x, y))
     engine.step()
     torch.nn.functional.mse_loss(ref(x), y).backward()
-    assert torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]) > 10
+    norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    assert norm > 10
+    with torch.no_grad():   # the documented formula: g * min(1, clip / (||g|| + 1e-6))
+        for p in ref.parameters():
+            p -= 0.1 * p.grad * (1.0 / (norm + 1e-6))
+    for a, b in zip(engine.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_gradient_clipping_zero_turns_clipping_off():
+    model = make_model()
+    ref = copy.deepcopy(model)
+    engine, *_ = deepspeed.initialize(model=model, config=_cfg(optimizer={"type": "SGD", "params": {"lr": 0.1}},
+                                                                gradient_clipping=0))
+    assert engine.gradient_clipping() == 0.0
+    x, y = torch.randn(2, 8) * 50, torch.randn(2, 4) * 50
+    engine.backward(engine(x, y))
+    engine.step()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
     with torch.no_grad():
         for p in ref.parameters():
             p -= 0.1 * p.grad

@@ -179,3 +179,23 @@ def test_stage0_and_stage3_traffic(results):
                       for size, v in sizes.items())
         assert reduced == N_PARAMS * 4, r3
         assert gathered >= N_PARAMS * 4 and gathered % (N_PARAMS * 4) == 0, r3
+
+
+def test_log_summary_prints_with_logger_quiet(capsys):
+    """DeepSpeed prints the summary table (rank 0): it must reach stdout even when the user has set
+    the DeepSpeed logger to ERROR (it went through logger.info before, and printed nothing)."""
+    import logging
+    from deepspeed.utils.logging import logger
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        configure(enabled=True, prof_all=True)
+        comms_logger.reset()
+        comms_logger.append("all_reduce", "all_reduce", 4000, 0.002, 1)
+        text = dist.log_summary()
+    finally:
+        configure(enabled=False)
+        comms_logger.reset()
+        logger.setLevel(level)
+    out = capsys.readouterr().out
+    assert "Communication summary" in out and "all_reduce" in out and text in out
