@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all demo bench clean
+.PHONY: install test test-all upstream-tests demo bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,11 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(VPY) -m pytest tests -q -p no:cacheprovider
+
+# DeepSpeed's own tests/unit run against this package on CPU (not part of `make test`; takes long).
+# DS_UPSTREAM_REPO=<DeepSpeed checkout or bare repo>, UPSTREAM_ARGS="--modules checkpoint/test_x.py ..."
+upstream-tests: $(STAMP)
+	$(VPY) tests/upstream/run_upstream.py $(UPSTREAM_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/deepspeed --num_procs 2 examples/train_gpt.py --deepspeed --deepspeed_config examples/ds_config.json
