@@ -54,7 +54,7 @@ def feature_for(fullname: str):
 
 
 def not_available(fullname: str, entry) -> FeatureNotAvailableError:
-    from . import __version__
+    from ._version import __version__
     prefix, feature = entry
     return FeatureNotAvailableError(
         f"'{fullname}' is not available in this version of deepspeed ({__version__}): it belongs to "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from . import __version__ as version  # noqa: F401
+from ._version import __version__ as version  # noqa: F401
 
 
 def _read_git():

@@ -68,7 +68,7 @@ class DeepSpeedEngine(EngineConfigQueries, torch.nn.Module):
         if self.config_obj.world_size != self.dp_world_size:  # built before dist init: re-resolve
             self.config_obj = DeepSpeedConfig(self.config_obj.raw, world_size=self.dp_world_size)
         cfg = self.config_obj
-        from .. import __version__
+        from .._version import __version__
         self.ds_version = __version__
 
         self.global_steps = 0

@@ -14,13 +14,15 @@ from __future__ import annotations
 import contextlib
 import gc
 
+from ..engine_queries import EngineConfigQueries
 from .partition_parameters import GatheredParameters
 from .partitioned_param import is_zero_param
 
 
 def _module_of(model):
-    from ..engine import DeepSpeedEngine
-    return model.module if isinstance(model, DeepSpeedEngine) else model
+    # every engine (DeepSpeedEngine, PipelineEngine) is built on EngineConfigQueries, the
+    # engine's lowest base: this helper sits below the engine and does not import it
+    return model.module if isinstance(model, EngineConfigQueries) else model
 
 
 @contextlib.contextmanager
