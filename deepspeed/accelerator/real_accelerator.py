@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from .supported import SUPPORTED_ACCELERATOR_LIST
+
 _ACCELERATOR = None
 
 
@@ -29,4 +31,7 @@ def set_accelerator(accel) -> None:
     _ACCELERATOR = accel
 
 
-from .supported import SUPPORTED_ACCELERATOR_LIST, is_current_accelerator_supported  # noqa: E402,F401
+
+def is_current_accelerator_supported() -> bool:
+    """True when ``get_accelerator()``'s device type is one DeepSpeed supports."""
+    return get_accelerator().device_name().split(":")[0] in SUPPORTED_ACCELERATOR_LIST

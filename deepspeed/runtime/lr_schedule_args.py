@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import lr_schedules as L
+from . import lr_schedule_names as L
 
 # (flag, type, default) per schedule family, DeepSpeed's flags and defaults.
 _LRRT = [(L.LR_RANGE_TEST_MIN_LR, float, 0.001), (L.LR_RANGE_TEST_STEP_RATE, float, 1.0),
