@@ -2,9 +2,10 @@
 
 Parts:
 
-* :mod:`.monitor` - ``Monitor`` (the one-method interface: ``write_events``) and
-  ``MonitorMaster``, which builds every enabled backend on global rank 0 and fans
-  events out to them.
+* :mod:`.base` - ``Monitor`` (the one-method interface: ``write_events``) and the helpers
+  every backend shares (event checking, scalar conversion, the global rank).
+* :mod:`.monitor` - ``MonitorMaster``, which builds every enabled backend on global rank 0
+  and fans events out to them (``Monitor`` re-exported: DeepSpeed's path for it).
 * one file per backend: :mod:`.tensorboard` (``TensorBoardMonitor``, through
   ``torch.utils.tensorboard``), :mod:`.wandb` (``WandbMonitor``), :mod:`.csv_monitor`
   (``csvMonitor``, one CSV file per metric), :mod:`.comet` (``CometMonitor``).

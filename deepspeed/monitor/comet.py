@@ -10,7 +10,7 @@ beyond that error: ``comet_ml`` is not installed here.)
 from __future__ import annotations
 
 from .config import section_of
-from .monitor import Monitor, _scalar, check_events, global_rank
+from .base import Monitor, _scalar, check_events, global_rank
 
 
 class CometMonitor(Monitor):

@@ -9,7 +9,7 @@ import csv
 import os
 
 from .config import section_of
-from .monitor import Monitor, _scalar, check_events, global_rank
+from .base import Monitor, _scalar, check_events, global_rank
 
 
 def csv_filename(name: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from .config import section_of
-from .monitor import Monitor, _scalar, check_events, global_rank
+from .base import Monitor, _scalar, check_events, global_rank
 
 
 def _log_dir(section) -> str:

@@ -11,7 +11,7 @@ import os
 
 from ..utils.logging import logger
 from .config import section_of
-from .monitor import Monitor, _scalar, check_events, global_rank
+from .base import Monitor, _scalar, check_events, global_rank
 
 
 def _has_credentials() -> bool:
