@@ -21,8 +21,8 @@ import re
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
-import torch
-
+from ..runtime.checkpoint.io import load_file
+from ..runtime.checkpoint.manifest import check_complete
 from ..runtime.utils import partition_uniform
 from .constants import ARGS_KEY, CHECKPOINT_INFO_KEY, CLIENT_STATE, GLOBAL_STEPS, ITERATION_KEY
 
@@ -33,7 +33,10 @@ _OPTIM = re.compile(r"^(?:pipe_stage_(\d+)-)?(?:bf16_|fp16_)?zero_pp_rank_(\d+)_
 
 
 def _load(path):
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """Through the package's one reader: weights-only (a pickle naming anything but tensors,
+    plain containers and the allow-listed DeepSpeed types is refused before it runs),
+    verified against the tag's manifest."""
+    return load_file(path)
 
 
 class DeepSpeedCheckpoint:
@@ -43,6 +46,7 @@ class DeepSpeedCheckpoint:
             raise FileNotFoundError(f"DeepSpeedCheckpoint: {dir!r} is not a directory (pass a checkpoint tag "
                                     f"directory, e.g. <save_dir>/global_step100)")
         self.dir = dir
+        check_complete(dir)   # a file the tag's manifest lists is missing: name it, its rank, the world size
         names = sorted(os.listdir(dir))
         self.mp_rank_files = [os.path.join(dir, n) for n in names if _MODEL.match(n)] or \
             [os.path.join(dir, n) for n in names if _MODEL_Z3.match(n)]

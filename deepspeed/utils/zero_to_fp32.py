@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from ..runtime.checkpoint.errors import CheckpointError
+from ..runtime.checkpoint.io import load_file, read_latest_tag
 from ..runtime.checkpoint.universal import FragmentIndex, list_rank_files
 from ..runtime.swap_tensor.utils import map_file
 
@@ -73,10 +74,9 @@ def _resolve(checkpoint_dir, tag: Optional[str]) -> str:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"No checkpoint tag '{tag}' in '{checkpoint_dir}' (no directory '{path}').")
         return path
-    latest = os.path.join(checkpoint_dir, "latest")
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            return _resolve(checkpoint_dir, f.read().strip())
+    latest = read_latest_tag(checkpoint_dir)   # an empty or unreadable 'latest' raises CheckpointError
+    if latest is not None:
+        return _resolve(checkpoint_dir, latest)
     if list_rank_files(checkpoint_dir):
         return checkpoint_dir  # a tag directory itself
     raise FileNotFoundError(
@@ -89,7 +89,7 @@ def _module_states(path: str):
         name = get_model_state_file(path)
     except FileNotFoundError:
         return None
-    return torch.load(name, map_location="cpu", weights_only=True, mmap=True)
+    return load_file(name, mmap=True)   # the package's one verified weights-only reader
 
 
 def _plan(path: str, exclude_frozen_parameters: bool):
@@ -187,7 +187,12 @@ def main(argv=None) -> int:
     ap.add_argument("output_file", help="where to write the fp32 state dict (torch.save format)")
     ap.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
     ap.add_argument("--exclude_frozen_parameters", action="store_true")
+    ap.add_argument("--no_verify", action="store_true",
+                    help="skip checking the files against the checkpoint's manifest (checksums)")
     args = ap.parse_args(argv)
+    if args.no_verify:
+        from ..runtime.checkpoint.manifest import set_checkpoint_verification
+        set_checkpoint_verification(False)
     out = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, tag=args.tag,
                                                      exclude_frozen_parameters=args.exclude_frozen_parameters)
     print(f"Saved fp32 state dict to {out}")

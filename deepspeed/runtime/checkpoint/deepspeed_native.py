@@ -27,16 +27,16 @@ as the inert stand-ins below (data only, no behaviour), and nothing else.
 """
 from __future__ import annotations
 
-import enum
 import math
 import os
 import re
-from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
 
+from .allowlist import SAFE_GLOBALS, _DynamicLossScaler, _FragmentAddress, _LossScaler, _ZeroStageEnum  # noqa: F401
 from .errors import CheckpointError
+from .io import load_file
 
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -52,50 +52,12 @@ DEEPSPEED_MODEL_STATE_KEYS = {
 
 
 # ---------------------------------------------------------------- allow-listed stand-ins
-class _LossScaler:
-    """DeepSpeed's ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` as pickled: its attributes only."""
+# defined in .allowlist (imported above): the one allow-list every checkpoint reader uses
 
 
-class _DynamicLossScaler(_LossScaler):
-    """DeepSpeed's ``DynamicLossScaler`` as pickled: its attributes only."""
-
-
-try:  # the package's own enum at DeepSpeed's path, when built
-    from ..zero.config import ZeroStageEnum as _ZeroStageEnum
-except ImportError:  # pragma: no cover - a stand-in with the same values
-    class _ZeroStageEnum(int, enum.Enum):
-        disabled = 0
-        optimizer_states = 1
-        gradients = 2
-        weights = 3
-
-
-@dataclass
-class _FragmentAddress:
-    numel: int
-    start: int
-
-
-for _cls, _mod, _name in ((_LossScaler, "deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-                          (_DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-                          (_ZeroStageEnum, "deepspeed.runtime.zero.config", "ZeroStageEnum"),
-                          (_FragmentAddress, "deepspeed.utils.tensor_fragment", "fragment_address")):
-    if (_cls.__module__, _cls.__name__) != (_mod, _name):
-        _cls.__module__, _cls.__name__, _cls.__qualname__ = _mod, _name, _name
-
-#: exactly the non-tensor types DeepSpeed stores (besides torch.Size / OrderedDict, allowed by default)
-SAFE_GLOBALS = [_LossScaler, _DynamicLossScaler, _ZeroStageEnum, _FragmentAddress]
-
-
-def load_native(path: str):
-    """``torch.load(weights_only=True)`` of a DeepSpeed-written file."""
-    try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - name the file and the rule
-        raise CheckpointError(f"Could not load DeepSpeed checkpoint file '{path}' with torch.load(weights_only=True) "
-                              f"(allowed non-tensor types: {[c.__module__ + '.' + c.__name__ for c in SAFE_GLOBALS]}): "
-                              f"{err}") from None
+def load_native(path: str, mmap: bool = False):
+    """``torch.load(weights_only=True)`` of a DeepSpeed-written file (through :func:`.io.load_file`)."""
+    return load_file(path, map_location="cpu", mmap=mmap)
 
 
 # ---------------------------------------------------------------- detection
@@ -113,7 +75,7 @@ def is_native_dir(directory: str) -> bool:
     if not model:
         return False
     try:
-        st = torch.load(os.path.join(directory, sorted(model)[0]), map_location="cpu", weights_only=True, mmap=True)
+        st = load_native(os.path.join(directory, sorted(model)[0]), mmap=True)
     except Exception:  # noqa: BLE001 - not ours to judge here; the real load reports it
         return False
     return is_native_model_state(st)

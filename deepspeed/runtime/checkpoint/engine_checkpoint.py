@@ -156,20 +156,33 @@ def commit_or_abort(engine, writer, rank: int, error, what: str, save_latest: bo
     if not _all_ok(error is None):
         if rank == 0:
             writer.abort()
+        writer._unregister()
         _barrier()
         if error is not None:
             raise error
         raise CheckpointError(f"{what} failed on another rank; nothing was committed.")
+    commit_error = None
     if rank == 0:
         extra = getattr(engine.strategy, "write_checkpoint_extras", None)
-        if extra is not None:
-            extra(writer)
-        writer.commit(save_latest)
-        if extra is not None and script_dir is not None:  # DeepSpeed puts the recovery script there too
-            from ..precision.flat_state import ZERO_TO_FP32_SCRIPT
+        try:
+            if extra is not None:
+                extra(writer)
+            writer.commit(save_latest)   # the 'latest' update is the commit point; rolls back on failure
+        except Exception as err:  # noqa: BLE001 - every rank raises, rank 0 with the cause
+            writer.abort()
+            commit_error = err
+        if commit_error is None and extra is not None and script_dir is not None:
+            from ..precision.flat_state import ZERO_TO_FP32_SCRIPT   # DeepSpeed puts the recovery script there
             from .io import atomic_write_text
-            atomic_write_text(os.path.join(script_dir, "zero_to_fp32.py"), ZERO_TO_FP32_SCRIPT)
-    _barrier()
+            try:   # after the commit point: the checkpoint is saved whatever happens here
+                atomic_write_text(os.path.join(script_dir, "zero_to_fp32.py"), ZERO_TO_FP32_SCRIPT)
+            except CheckpointError as err:
+                logger.warning(f"Checkpoint '{writer.tag}' is saved, but {err}")
+    writer._unregister()
+    if not _all_ok(commit_error is None):
+        if commit_error is not None:
+            raise commit_error
+        raise CheckpointError(f"{what}: rank 0 could not commit it (its error says why); nothing was committed.")
 
 
 def load_engine_checkpoint(engine, load_dir: str, tag=None, load_module_strict=True,

@@ -46,7 +46,6 @@ for one tensor at a time.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import threading
@@ -170,35 +169,23 @@ def list_rank_files(directory: str, mp_rank: int = 0) -> List[str]:
         m = _FILE_RE.match(n)
         if m and int(m.group(2)) == mp_rank:
             found.append((int(m.group(1)), n))
+    _check_listed(directory, mp_rank)
     return [os.path.join(directory, n) for _, n in sorted(found)]
 
 
+def _check_listed(directory: str, mp_rank: int) -> None:
+    """Raise naming the rank and world size if an optimizer file the tag's manifest lists is missing."""
+    from .manifest import check_complete, read_manifest
+    man = read_manifest(directory)
+    if man:
+        names = [n for n in man["files"] if _FILE_RE.match(n) and int(_FILE_RE.match(n).group(2)) == mp_rank]
+        check_complete(directory, names)
+
+
 def _load(path: str):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # noqa: BLE001 - name the file
-        if "Cannot allocate memory" in str(err) or getattr(err, "errno", None) == errno.ENOMEM:
-            # torch maps the whole file private and writable, which the kernel's default
-            # overcommit heuristic refuses for a file larger than RAM + swap (an NVMe-offloaded
-            # rank's optimizer state): map it without a swap reservation instead
-            try:
-                return _load_mapped_noreserve(path)
-            except Exception as err2:  # noqa: BLE001 - name the file
-                err = err2
-        raise CheckpointError(f"Could not read optimizer checkpoint file '{path}': {err}") from None
-
-
-def _load_mapped_noreserve(path: str):
-    """``torch.load(path, weights_only=True, mmap=True)`` over a private memory map made with
-    ``MAP_NORESERVE`` (:func:`~deepspeed.runtime.swap_tensor.utils.map_file`): the same
-    tensors, file-backed, for a file larger than RAM + swap. Uses torch's own zip reader and
-    weights-only unpickler (``torch.serialization._load``), handing it the map as the
-    storage the tensors are sliced from, as ``mmap=True`` does with its own."""
-    import torch.serialization as ts
-    from ..swap_tensor.utils import map_file
-    storage = map_file(path, os.path.getsize(path), torch.uint8).untyped_storage()
-    with open(path, "rb") as f, ts._open_zipfile_reader(f) as zf:
-        return ts._load(zf, "cpu", ts._weights_only_unpickler, overall_storage=storage, encoding="utf-8")
+    """One rank file, memory-mapped, through the package's one verified weights-only reader."""
+    from .io import load_file
+    return load_file(path, mmap=True)
 
 
 class FragmentIndex:

@@ -387,8 +387,9 @@ class PipelineModule(nn.Module):
             if not os.path.isfile(path):
                 raise CheckpointError(f"Pipeline checkpoint '{load_dir}' has no file '{os.path.basename(path)}' "
                                       f"for layer {self._local_layer_ids[local]}; was it saved from this model?")
+            from ..checkpoint.io import load_file   # the one verified weights-only reader
             sd = (checkpoint_engine.load(path, map_location="cpu") if checkpoint_engine is not None
-                  else torch.load(path, map_location="cpu", weights_only=True))
+                  else load_file(path))
             try:
                 mod.load_state_dict(sd, strict=strict)
             except RuntimeError as err:

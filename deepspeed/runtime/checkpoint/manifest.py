@@ -1,0 +1,380 @@
+"""Checkpoint manifests: what every file of a tag held when it was written, checked on load.
+
+Why: a flipped bit in an optimizer file used to load without a word and training resumed
+from corrupted moments. Each tag directory now carries ``checkpoint_manifest.json``,
+written by rank 0 inside the atomic save (before the tag is moved into place), listing
+for every file of the tag:
+
+* ``rank`` / ``world_size``: which rank wrote it, out of how many (so a missing per-rank
+  file is named with the rank and world size that should have produced it);
+* ``bytes`` and ``crc32``: the file's size and the CRC-32 of each ``chunk_bytes`` slice of
+  it, computed while the bytes stream to disk (no second read);
+* ``records``: for torch files, the CRC-32 torch itself stored for every record of its zip
+  container - one per tensor storage - read back from the file's central directory (no
+  extra pass). When a file does not match, these name the tensor(s) whose bytes changed.
+
+Loading verifies a file against the manifest before unpickling it (chunks checked on a
+few threads over a memory map; each unchanged file is verified once per process). A
+mismatch raises :class:`CheckpointError` naming the file, the byte range and the tensor.
+Checkpoints without a manifest (older ones, DeepSpeed's own) load unverified.
+
+Switch verification off with the environment variable ``DS_CHECKPOINT_VERIFY=0`` or
+:func:`set_checkpoint_verification(False) <set_checkpoint_verification>` (also a context
+manager): loading then skips the checksums (the missing-file check stays).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import struct
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, Iterable, List, Optional
+
+from .errors import CheckpointError
+
+MANIFEST = "checkpoint_manifest.json"
+FORMAT = "deepspeed-checkpoint-manifest"
+VERSION = 1
+CHECKSUM = "crc32"
+CHUNK_BYTES = 64 << 20
+SIDECAR_PREFIX = ".manifest-rank"
+ENV_VERIFY = "DS_CHECKPOINT_VERIFY"
+
+_state = threading.local()
+_default_verify = os.environ.get(ENV_VERIFY, "1").strip().lower() not in ("0", "false", "no", "off")
+_lock = threading.Lock()
+_manifest_cache: Dict[str, tuple] = {}
+_verified: Dict[str, tuple] = {}
+
+
+# ---------------------------------------------------------------- the switch
+def verification_enabled() -> bool:
+    return getattr(_state, "verify", None) if getattr(_state, "verify", None) is not None else _default_verify
+
+
+class set_checkpoint_verification(contextlib.ContextDecorator):
+    """``set_checkpoint_verification(False)`` turns checksum verification of loaded
+    checkpoint files off for the whole process; ``with set_checkpoint_verification(False):``
+    only inside the block (on this thread)."""
+
+    def __init__(self, enabled: bool):
+        global _default_verify
+        self.enabled = bool(enabled)
+        self._prev_default = _default_verify
+        _default_verify = self.enabled
+
+    def __enter__(self):
+        global _default_verify
+        _default_verify = self._prev_default   # only the block changes: restore the process default
+        self._prev = getattr(_state, "verify", None)
+        _state.verify = self.enabled
+        return self
+
+    def __exit__(self, *exc):
+        _state.verify = self._prev
+        return False
+
+
+# ---------------------------------------------------------------- writing
+class ChecksumFile:
+    """A writable file wrapper that computes chunked CRC-32s of everything written and
+    keeps the first ``OSError`` (torch's serializer turns it into a bare RuntimeError)."""
+
+    def __init__(self, f, chunk: int = CHUNK_BYTES):
+        self.f = f
+        self.chunk = chunk
+        self.crcs: List[int] = []
+        self._crc = 0
+        self._fill = 0
+        self.nbytes = 0
+        self.error: Optional[OSError] = None
+
+    def write(self, data) -> int:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        try:
+            self.f.write(mv)
+        except OSError as err:
+            if self.error is None:
+                self.error = err
+            raise
+        pos = 0
+        while pos < n:
+            take = min(n - pos, self.chunk - self._fill)
+            self._crc = zlib.crc32(mv[pos:pos + take], self._crc)
+            self._fill += take
+            pos += take
+            if self._fill == self.chunk:
+                self.crcs.append(self._crc)
+                self._crc, self._fill = 0, 0
+        self.nbytes += n
+        return n
+
+    def flush(self) -> None:
+        try:
+            self.f.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def finish(self) -> List[int]:
+        if self._fill or not self.crcs:
+            self.crcs.append(self._crc)
+            self._crc, self._fill = 0, 0
+        return self.crcs
+
+
+def zip_record_crcs(path: str) -> Dict[str, int]:
+    """The CRC-32 torch stored for each record of its zip container (one per storage);
+    {} for a file that is not one."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return {_short(i.filename): i.CRC for i in zf.infolist()}
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return {}
+
+
+def _short(record: str) -> str:
+    return record.split("/", 1)[1] if "/" in record else record   # drop torch's archive name
+
+
+def entry(nbytes: int, crcs: List[int], records: Dict[str, int], rank, world_size) -> dict:
+    return {"rank": rank, "world_size": world_size, "bytes": int(nbytes), "chunk_bytes": CHUNK_BYTES,
+            "crc32": [int(c) for c in crcs], "records": records}
+
+
+def entry_for_path(path: str, rank=None, world_size=None) -> dict:
+    """A manifest entry computed by reading a file already on disk (files written by other
+    means than the checkpoint writer, e.g. a user's checkpoint engine)."""
+    return entry(os.path.getsize(path), file_crcs(path), zip_record_crcs(path), rank, world_size)
+
+
+def sidecar_name(rank: int) -> str:
+    return f"{SIDECAR_PREFIX}{rank}.json"
+
+
+def build_manifest(directory: str, tag: str, world_size: int, own: dict) -> dict:
+    """Rank 0 at commit: every rank's sidecar merged, plus any file written into the tag
+    by other means (checksummed here)."""
+    files = {}
+    for n in sorted(os.listdir(directory)):
+        if n.startswith(SIDECAR_PREFIX) and n.endswith(".json"):
+            with open(os.path.join(directory, n), encoding="utf-8") as f:
+                files.update(json.load(f))
+    files.update(own)
+    for n in sorted(os.listdir(directory)):
+        p = os.path.join(directory, n)
+        if n in files or n == MANIFEST or n.startswith(SIDECAR_PREFIX) or n.endswith(".part") \
+                or not os.path.isfile(p):
+            continue
+        files[n] = entry_for_path(p)
+    files = {n: e for n, e in files.items() if os.path.isfile(os.path.join(directory, n))}
+    return {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": world_size, "checksum": CHECKSUM,
+            "files": files}
+
+
+def remove_sidecars(directory: str) -> None:
+    for n in os.listdir(directory):
+        if n.startswith(SIDECAR_PREFIX):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, n))
+
+
+# ---------------------------------------------------------------- reading
+def read_manifest(directory: str) -> Optional[dict]:
+    """The manifest of a tag directory (cached while the file is unchanged); None if absent."""
+    path = os.path.join(directory, MANIFEST)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    key = (st.st_ino, st.st_size, st.st_mtime_ns)
+    with _lock:
+        hit = _manifest_cache.get(path)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+    try:
+        with open(path, encoding="utf-8") as f:
+            man = json.load(f)
+        if not isinstance(man, dict) or man.get("format") != FORMAT or not isinstance(man.get("files"), dict):
+            raise ValueError(f"not a {FORMAT} file")
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"Checkpoint manifest '{path}' is unreadable ({err}); the checkpoint cannot be "
+                              f"verified. Restore the file, or load without verification ({ENV_VERIFY}=0 or "
+                              f"deepspeed.runtime.checkpoint.set_checkpoint_verification(False)).") from None
+    with _lock:
+        _manifest_cache[path] = (key, man)
+    return man
+
+
+def _who(man: dict, name: str) -> str:
+    e = man["files"][name]
+    rank, world = e.get("rank"), e.get("world_size") or man.get("world_size")
+    who = f"written by rank {rank}" if rank is not None else "written"
+    return f"{who} of the {world} ranks that saved tag '{man.get('tag')}'"
+
+
+def check_complete(directory: str, names: Optional[Iterable[str]] = None) -> None:
+    """Raise if a file the manifest lists (all of them, or those in ``names``) is missing,
+    naming the file, the rank that wrote it and the world size."""
+    man = read_manifest(directory)
+    if man is None:
+        return
+    wanted = man["files"] if names is None else [n for n in names if n in man["files"]]
+    missing = [n for n in wanted if not os.path.isfile(os.path.join(directory, n))]
+    if missing:
+        lines = "; ".join(f"'{n}' ({_who(man, n)})" for n in missing)
+        raise CheckpointError(f"Checkpoint '{directory}' is incomplete: {len(missing)} file(s) listed in its "
+                              f"manifest are missing: {lines}. Restore them from a copy, or load another tag.")
+
+
+def missing_note(directory: str, name: str) -> str:
+    """' (written by rank R of the W ranks ...)' when the manifest lists ``name``."""
+    try:
+        man = read_manifest(directory)
+    except CheckpointError:
+        return ""
+    return f" ({_who(man, name)})" if man is not None and name in man["files"] else ""
+
+
+def _threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _crc_ranges(path: str, size: int, chunk: int) -> List[int]:
+    if size == 0:
+        return [0]
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with memoryview(mm) as mv:
+            starts = list(range(0, size, chunk))
+
+            def one(a):
+                view = mv[a:min(a + chunk, size)]
+                try:
+                    return zlib.crc32(view)
+                finally:
+                    view.release()
+            if len(starts) == 1:
+                return [one(0)]
+            with ThreadPoolExecutor(min(_threads(), len(starts))) as pool:
+                return list(pool.map(one, starts))
+
+
+def file_crcs(path: str, chunk: int = CHUNK_BYTES) -> List[int]:
+    return _crc_ranges(path, os.path.getsize(path), chunk)
+
+
+def verify_file(path: str, loader=None) -> None:
+    """Check ``path`` against its tag's manifest (no-op without one, or when verification
+    is off, or when this unchanged file was verified before in this process). ``loader``
+    (path -> object, weights-only, unverified) lets a mismatch name the changed tensors."""
+    if not verification_enabled():
+        return
+    directory, name = os.path.split(os.path.abspath(path))
+    man = read_manifest(directory)
+    if man is None or name not in man["files"]:
+        return
+    st = os.stat(path)
+    key = (st.st_ino, st.st_size, st.st_mtime_ns, os.path.getmtime(os.path.join(directory, MANIFEST)))
+    with _lock:
+        if _verified.get(path) == key:
+            return
+    e = man["files"][name]
+    if st.st_size != e["bytes"]:
+        raise CheckpointError(f"Checkpoint file '{path}' is corrupted: it holds {st.st_size} bytes but "
+                              f"{e['bytes']} were written ({_who(man, name)}). Restore it from a copy or load "
+                              f"another tag.")
+    chunk = int(e.get("chunk_bytes", CHUNK_BYTES))
+    got = _crc_ranges(path, st.st_size, chunk)
+    bad = [i for i, (a, b) in enumerate(zip(got, e["crc32"])) if a != b]
+    if bad or len(got) != len(e["crc32"]):
+        ranges = ", ".join(f"[{i * chunk}, {min((i + 1) * chunk, st.st_size)})" for i in bad[:4])
+        raise CheckpointError(
+            f"Checkpoint file '{path}' is corrupted: its CRC-32 does not match the manifest ({_who(man, name)}); "
+            f"changed byte range(s) {ranges}. {_diagnose(path, e, loader)} Restore the file from a copy or load another "
+            f"tag (to load it anyway, switch verification off: {ENV_VERIFY}=0).")
+    with _lock:
+        _verified[path] = key
+
+
+def _record_ranges(path: str):
+    """(record, data offset, size) of each record of a stored (uncompressed) zip."""
+    import zipfile
+    out = []
+    with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
+        for i in zf.infolist():
+            f.seek(i.header_offset)
+            head = f.read(30)
+            if len(head) != 30 or head[:4] != b"PK\x03\x04":
+                continue
+            n, x = struct.unpack("<HH", head[26:30])
+            out.append((_short(i.filename), i.header_offset + 30 + n + x, i.compress_size))
+    return out
+
+
+def _diagnose(path: str, e: dict, loader) -> str:
+    """Name the tensors whose bytes changed (records whose CRC differs from the one saved)."""
+    saved = e.get("records") or {}
+    if not saved:
+        return ""
+    try:
+        ranges = _record_ranges(path)
+    except Exception:  # noqa: BLE001 - the zip directory itself is damaged
+        return "The file's zip directory is damaged."
+    bad = {}
+    with open(path, "rb") as f:
+        for rec, off, size in ranges:
+            if rec in saved:
+                f.seek(off)
+                crc = zlib.crc32(f.read(size))
+                if crc != saved[rec]:
+                    bad[rec] = (crc, size)
+    if not bad:
+        return "No tensor's data changed: the damage is in the pickled structure or the zip directory."
+    names = _tensor_names(path, bad, loader) if loader is not None else {}
+    parts = [f"{rec} -> {', '.join(names.get(rec, [])) or '?'}" for rec in sorted(bad)]
+    return f"Tensor data changed in record(s) {'; '.join(parts)}."
+
+
+def _tensor_names(path: str, bad: dict, loader) -> Dict[str, List[str]]:
+    """record -> key paths of the loaded tensors whose storage bytes match that record's
+    (corrupted) bytes."""
+    import torch
+    try:
+        obj = loader(path)
+    except Exception:  # noqa: BLE001 - unloadable: the records are all we can name
+        return {}
+    want = {crc: rec for rec, (crc, _) in bad.items()}
+    sizes = {size for _, size in bad.values()}
+    out: Dict[str, List[str]] = {}
+    seen = {}
+    for key, t in _walk(obj, ""):
+        st = t.untyped_storage()
+        if st.nbytes() not in sizes:
+            continue
+        ptr = st.data_ptr()
+        if ptr not in seen:
+            seen[ptr] = zlib.crc32(memoryview(torch.empty(0, dtype=torch.uint8).set_(st).numpy()))
+        rec = want.get(seen[ptr])
+        if rec is not None:
+            out.setdefault(rec, []).append(f"'{key or '<root>'}'")
+    return out
+
+
+def _walk(obj, prefix):
+    import torch
+    if torch.is_tensor(obj):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(v, f"{prefix}/{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{prefix}[{i}]")
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        yield from _walk(vars(obj), prefix)
