@@ -40,22 +40,33 @@ class PruningParams(DSConfigModel):
     dense_ratio: float = Field(0.5, gt=0.0, le=1.0)
 
 
-class WeightQuantGroup(DSConfigModel):
+class _Group(DSConfigModel):
+    """``modules``: name patterns (regular expressions searched in module names, ``"*"`` for
+    all); ``related_modules``: one list of patterns per entry of ``modules``."""
+
+    modules: List[str] = Field(default_factory=lambda: ["*"])
+    related_modules: Optional[List[List[str]]] = None
+
+    @model_validator(mode="after")
+    def _related_shape(self):
+        if not self.modules:
+            raise ValueError("'modules' must name at least one module pattern ('*' for all)")
+        if self.related_modules is not None and len(self.related_modules) != len(self.modules):
+            raise ValueError(f"related_modules has {len(self.related_modules)} entries but modules has "
+                             f"{len(self.modules)}; give one list of related patterns per module pattern")
+        return self
+
+
+class WeightQuantGroup(_Group):
     params: WeightQuantParams = Field(default_factory=WeightQuantParams)
-    modules: List[str] = Field(default_factory=lambda: ["*"])
-    related_modules: Optional[List[List[str]]] = None
 
 
-class ActivationQuantGroup(DSConfigModel):
+class ActivationQuantGroup(_Group):
     params: ActivationQuantParams = Field(default_factory=ActivationQuantParams)
-    modules: List[str] = Field(default_factory=lambda: ["*"])
-    related_modules: Optional[List[List[str]]] = None
 
 
-class PruningGroup(DSConfigModel):
+class PruningGroup(_Group):
     params: PruningParams = Field(default_factory=PruningParams)
-    modules: List[str] = Field(default_factory=lambda: ["*"])
-    related_modules: Optional[List[List[str]]] = None
 
 
 # ---------------------------------------------------------------- shared parameters
