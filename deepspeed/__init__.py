@@ -31,6 +31,8 @@ __git_hash__, __git_branch__ = git_hash, git_branch
 # ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES``, Transformers
 # ``deepspeed.runtime.zero.partition_parameters``, ``deepspeed.zero``, ``deepspeed.utils``, ...
 from . import checkpoint, checkpointing, ops, runtime, utils, zero  # noqa: E402,F401
+# Training techniques that plug into the engine (each registers with runtime/engine_features):
+from .runtime import data_pipeline, eigenvalue, progressive_layer_drop  # noqa: E402,F401
 from .runtime import config as _rt_config, dataloader as _rt_dataloader, lr_schedules as _rt_lr  # noqa: E402,F401
 from .runtime import utils as _rt_utils  # noqa: E402,F401
 from .runtime.fp16 import loss_scaler as _rt_loss_scaler  # noqa: E402,F401

@@ -116,6 +116,7 @@ class DataSampling(DSConfigModel):
     enabled: bool = False
     num_epochs: int = Field(1000, ge=1)
     num_workers: int = Field(0, ge=0)
+    pin_memory: bool = False
     curriculum_learning: DataCurriculumLearning = Field(default_factory=DataCurriculumLearning)
 
 

@@ -36,7 +36,22 @@ class DeepSpeedDataLoader:
     def __init__(self, dataset, batch_size: int, pin_memory: bool = False, local_rank: int = 0,
                  tput_timer=None, collate_fn=None, num_local_io_workers=None, data_sampler=None,
                  data_parallel_world_size: int = 1, data_parallel_rank: int = 0,
-                 dataloader_drop_last: bool = False, shuffle: bool = True, seed: int = 0):
+                 dataloader_drop_last: bool = False, shuffle: bool = True, seed: int = 0, batch_sampler=None):
+        # ``batch_sampler`` (curriculum data sampling) yields this rank's micro-batch indices itself;
+        # ``post_process_func(batch, batch_sampler.state_dict())`` (engine.set_data_post_process_func)
+        # then sees each batch with the sampler's current difficulties.
+        self.post_process_func = None
+        self.batch_sampler = batch_sampler
+        if batch_sampler is not None:
+            self.dataset, self.batch_size, self.epoch, self.tput_timer = dataset, batch_size, 0, tput_timer
+            self.data_sampler = self.sampler = batch_sampler
+            self.collate_fn = collate_fn
+            self.dataloader = DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn,
+                                         pin_memory=pin_memory, num_workers=num_local_io_workers or 0)
+            n = getattr(batch_sampler, "num_micro_batches", None)
+            self.len = n() if n is not None else len(batch_sampler)
+            self._iter = None
+            return
         if data_sampler is None:
             if data_parallel_world_size > 1:
                 data_sampler = DistributedSampler(dataset, num_replicas=data_parallel_world_size,
@@ -74,4 +89,8 @@ class DeepSpeedDataLoader:
             iter(self)
         if self.tput_timer is not None:
             self.tput_timer.start()
-        return next(self._iter)
+        batch = next(self._iter)
+        if self.post_process_func is not None:
+            state = self.batch_sampler.state_dict() if self.batch_sampler is not None else {}
+            batch = self.post_process_func(batch, state)
+        return batch

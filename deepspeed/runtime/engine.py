@@ -24,6 +24,7 @@ from ..utils.timer import NoopTimer, SynchronizedWallClockTimer, ThroughputTimer
 from .checkpoint.engine_checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from .dataloader import DeepSpeedDataLoader
 from .engine_monitor import attach_observability
+from .engine_features import EngineFeatureMethods, build_features
 from .engine_queries import EngineConfigQueries
 from .strategy import StrategyContext
 from .strategy_factory import build_strategy
@@ -42,7 +43,7 @@ def _normalize_param_groups(model, model_parameters):
     return [{"params": items}]
 
 
-class DeepSpeedEngine(EngineConfigQueries, torch.nn.Module):
+class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module):
     """Wraps a model for training as configured. See ``deepspeed.initialize``."""
 
     def __init__(self, args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -121,6 +122,8 @@ class DeepSpeedEngine(EngineConfigQueries, torch.nn.Module):
                 self.optimizer.overflow = False
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
         attach_observability(self)  # engine.monitor, engine.flops_profiler, comms logger, self._obs
+        # curriculum, data efficiency, PLD, eigenvalue: registered plug-ins (runtime/engine_features.py)
+        self._features = build_features(self)
 
         # ---- data ----------------------------------------------------------------------------
         self.collate_fn = collate_fn
@@ -177,7 +180,11 @@ class DeepSpeedEngine(EngineConfigQueries, torch.nn.Module):
                      collate_fn=None, num_local_io_workers=None):
         if not (isinstance(dataset, torch.utils.data.Dataset) or hasattr(dataset, "__getitem__")):
             raise TypeError("deepspeed.initialize: 'training_data' must be a torch.utils.data.Dataset.")
+        batch_sampler = None  # curriculum data sampling serves whole micro-batches (engine_features)
+        if data_sampler is None and route not in ("eval", "predict") and self._features:
+            batch_sampler = self._features.batch_sampler(self, dataset)
         return DeepSpeedDataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                   batch_sampler=batch_sampler,
                                    pin_memory=pin_memory and self.device.type != "cpu",
                                    collate_fn=collate_fn or self.collate_fn, data_sampler=data_sampler,
                                    num_local_io_workers=num_local_io_workers,
@@ -207,6 +214,8 @@ class DeepSpeedEngine(EngineConfigQueries, torch.nn.Module):
         if self.tput_timer._t0 is None:  # first forward of this optimizer step
             self.tput_timer.start()
         self.strategy.pre_forward()
+        if self._features and self.module.training:  # curriculum_seqlen, pld_theta, ...
+            self._features.forward_kwargs(self, kwargs)
         cfg = self.config_obj
         if cfg.fp16_enabled and cfg.fp16.auto_cast:
             inputs = tuple(_cast_floating(x, torch.float16) for x in inputs)
@@ -232,6 +241,8 @@ class DeepSpeedEngine(EngineConfigQueries, torch.nn.Module):
         if obs is not None:
             obs.backward_begin(loss)
         self._last_loss = loss.detach()
+        if self._features:
+            self._features.before_backward(self, loss)
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss.float() / gas  # DeepSpeed: _scale_loss_by_gas(loss.float())
@@ -261,6 +272,8 @@ class DeepSpeedEngine(EngineConfigQueries, torch.nn.Module):
             obs.step_begin()
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
+            if self._features:  # schedules advance before the optimizer step, as in DeepSpeed
+                self._features.on_boundary(self)
             if self.optimizer is None:
                 if not self._warned_no_optimizer:
                     logger.warning("engine.step() called but no optimizer was configured; parameters are unchanged.")

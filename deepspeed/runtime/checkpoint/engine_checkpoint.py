@@ -13,6 +13,8 @@ from ... import comm as ds_comm
 from ...utils.logging import logger
 from .errors import CheckpointAssertionError, CheckpointError
 from .io import CheckpointReader, CheckpointWriter, read_latest_tag
+from ..engine_features import checkpoint_state as feature_checkpoint_state
+from ..engine_features import load_checkpoint_state as load_feature_checkpoint_state
 
 
 def model_states_name(mp_rank: int, dp_rank=None) -> str:
@@ -137,6 +139,7 @@ def save_engine_checkpoint(engine, save_dir: str, tag=None, client_state=None, s
                 "ds_version": engine.ds_version,
                 "client_state": dict(client_state or {}),
             }
+            state.update(feature_checkpoint_state(engine))  # data_sampler, random_ltd, ... (engine_features)
             writer.save(model_states_name(mp_rank, dp_rank if stage3 else None), state)
         writer.save(rng_states_name(rank), capture_rng_state())
         engine.strategy.save_optimizer_state(writer, dp_rank, mp_rank)
@@ -219,6 +222,7 @@ def load_engine_checkpoint(engine, load_dir: str, tag=None, load_module_strict=T
     engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
     engine.micro_steps = state.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps())
     engine.skipped_steps = state.get("skipped_steps", 0)
+    load_feature_checkpoint_state(engine, state)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if reader.exists(rng_states_name(rank)):
         restore_rng_state(reader.load(rng_states_name(rank)))
