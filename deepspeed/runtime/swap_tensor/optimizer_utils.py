@@ -24,7 +24,7 @@ the sub-group is not written back, so the files keep the last completed state.
 :class:`~.partitioned_optimizer_swapper.PartitionedOptimizerSwapper` (no overlap) and
 :class:`~.pipelined_optimizer_swapper.PipelinedOptimizerSwapper` (both overlaps) are the
 two DeepSpeed classes; ``offload_optimizer.pipeline_read/pipeline_write`` choose between
-them as DeepSpeed does (:func:`swapper_from_config`).
+them as DeepSpeed does (:func:`.swapper_factory.swapper_from_config`).
 """
 from __future__ import annotations
 
@@ -372,25 +372,3 @@ class OptimizerSwapper:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def swapper_from_config(offload_optimizer, aio=None, dtype: torch.dtype = torch.float32, **kwargs) -> OptimizerSwapper:
-    """Build the swapper DeepSpeed would from ``zero_optimization.offload_optimizer`` (a dict
-    or the typed section) and the ``aio`` section: pipelined when ``pipeline_read`` or
-    ``pipeline_write`` is set, partitioned (no overlap) otherwise."""
-    from .partitioned_optimizer_swapper import PartitionedOptimizerSwapper
-    from .pipelined_optimizer_swapper import PipelinedOptimizerSwapper
-
-    get = (offload_optimizer.get if isinstance(offload_optimizer, Mapping)
-           else lambda k, d=None: getattr(offload_optimizer, k, d))
-    device = get("device", "nvme")
-    if str(device) != "nvme":
-        raise ValueError(f"offload_optimizer.device is {device!r}; an NVMe swapper needs 'nvme'")
-    nvme_path = get("nvme_path")
-    if not nvme_path:
-        raise ValueError("offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'")
-    read, write = bool(get("pipeline_read", False)), bool(get("pipeline_write", False))
-    common = dict(nvme_path=nvme_path, buffer_count=get("buffer_count", 4), aio_config=aio, dtype=dtype, **kwargs)
-    if read or write:
-        return PipelinedOptimizerSwapper(pipeline_read=read, pipeline_write=write, **common)
-    return PartitionedOptimizerSwapper(**common)
