@@ -52,6 +52,9 @@ class DeepSpeedConfigModel(DSConfigModel):
     dataloader_drop_last: bool = False
     communication_data_type: Optional[str] = None
     seq_parallel_communication_data_type: Optional[str] = None
+    # Ulysses sequence parallelism (deepspeed.runtime.sequence_parallel): ranks per sequence;
+    # the batch-size arithmetic uses world / sequence_parallel_size data-parallel ranks.
+    sequence_parallel_size: int = Field(1, ge=1)
     sparse_gradients: bool = False
     disable_allgather: bool = False
     zero_allow_untested_optimizer: bool = True
@@ -192,7 +195,7 @@ class DeepSpeedConfig:
         if check_features:
             check_unbuilt(self.model)
         if world_size is None:
-            world_size = _dp_world_size(mpu)
+            world_size = _dp_world_size(mpu, self.model.sequence_parallel_size)
         self.world_size = world_size
         m = self.model
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = \
@@ -372,10 +375,13 @@ def _legacy_zero_optimization_bool(raw: dict) -> None:
           f"{section}. Use the form \"zero_optimization\": {{\"stage\": N, ...}}.")
 
 
-def _dp_world_size(mpu) -> int:
+def _dp_world_size(mpu, sequence_parallel_size: int = 1) -> int:
     if mpu is not None:
         return int(mpu.get_data_parallel_world_size())
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+        world = dist.get_world_size()
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    # DeepSpeed: without an mpu, "sequence_parallel_size" divides the world for the batch sizes
+    return max(1, world // max(1, int(sequence_parallel_size)))

@@ -26,6 +26,7 @@ from .dataloader import DeepSpeedDataLoader
 from .engine_monitor import attach_observability
 from .engine_features import EngineFeatureMethods, build_features
 from .engine_queries import EngineConfigQueries
+from .sequence_parallel.engine_groups import resolve_sequence_parallel_mpu, sequence_parallel_layout
 from .strategy import StrategyContext
 from .strategy_factory import build_strategy
 
@@ -53,6 +54,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
         if model is None or not isinstance(model, torch.nn.Module):
             raise TypeError(f"deepspeed.initialize: 'model' must be a torch.nn.Module, got {type(model).__name__}.")
         comm.init_distributed(dist_init_required=dist_init_required, verbose=False)
+        # sequence_parallel_size in the config: the sequence-parallel mpu (runtime/sequence_parallel)
+        mpu = resolve_sequence_parallel_mpu(mpu, config_class if config_class is not None else config)
         self.mpu = mpu
         groups.set_mpu(mpu)
         self.dp_group = groups.get_data_parallel_group(mpu)
@@ -60,6 +63,13 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
         self.dp_rank = groups.get_data_parallel_rank(mpu)
         self.mp_world_size = groups.get_model_parallel_world_size(mpu)
         self.mp_rank = groups.get_model_parallel_rank(mpu)
+        # ZeRO partitions, broadcasts and reduces over the sequence-data-parallel group (every
+        # replica: sequence x data parallel); dp_* above exclude the sequence dimension.
+        sp = sequence_parallel_layout(model, self.dp_group, self.dp_world_size, self.dp_rank)
+        self.seq_parallel_group, self.sequence_parallel_size, self._sp_grad_factor = sp.sp_group, sp.sp_size, \
+            sp.grad_factor
+        self.seq_data_parallel_group, self.seq_dp_world_size, self.seq_dp_rank = sp.sdp_group, sp.sdp_world_size, \
+            sp.sdp_rank
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
         self.local_rank = comm.get_local_rank()
@@ -111,8 +121,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
             offload = cfg.zero.offload_optimizer_device == "cpu"
             factory = lambda groups_: build_optimizer(opt_type, opt_params, groups_,  # noqa: E731
                                                       cpu_offload=offload)
-        ctx = StrategyContext(config=cfg, dp_group=self.dp_group, dp_world_size=self.dp_world_size,
-                              dp_rank=self.dp_rank, mpu=mpu, device=self.device, timers=self.timers,
+        ctx = StrategyContext(config=cfg, dp_group=self.seq_data_parallel_group,
+                              dp_world_size=self.seq_dp_world_size, dp_rank=self.seq_dp_rank, mpu=mpu, device=self.device, timers=self.timers,
                               param_groups=_normalize_param_groups(model, model_parameters),
                               optimizer_factory=factory, client_optimizer=client_optimizer)
         self.strategy = build_strategy(model, ctx)
@@ -138,8 +148,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
 
     # ------------------------------------------------------------------ construction helpers
     def _broadcast_model(self):
-        """Start every data-parallel rank from rank 0's weights and buffers."""
-        if self.dp_world_size <= 1:
+        """Start every replica (data- and sequence-parallel ranks) from rank 0's weights and buffers."""
+        if self.seq_dp_world_size <= 1:
             return
         from ..moe.checkpoint import broadcast_expert_params
         broadcast_expert_params(self.module)  # MoE experts: from rank 0 of their expert-data-parallel group
@@ -148,12 +158,13 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
                    and getattr(t, "allreduce", True)]  # expert parameters differ across expert ranks
         if not tensors:
             return
-        src = comm.get_global_rank(self.dp_group, 0) if self.mpu is not None else 0
+        group = self.seq_data_parallel_group
+        src = comm.get_global_rank(group, 0) if self.mpu is not None else 0
         for dtype in {t.dtype for t in tensors}:
             ts = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.data.reshape(-1) for t in ts])
-            flat = comm.to_comm_device(flat, self.dp_group)  # dont_change_device may leave the model on the host
-            dist.broadcast(flat, src=src, group=self.dp_group)
+            flat = comm.to_comm_device(flat, group)  # dont_change_device may leave the model on the host
+            dist.broadcast(flat, src=src, group=group)
             off = 0
             for t in ts:
                 t.data.copy_(flat[off:off + t.numel()].view_as(t))
@@ -248,7 +259,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
             loss = loss.float() / gas  # DeepSpeed: _scale_loss_by_gas(loss.float())
         # DeepSpeed returns the loss after the accumulation division, never multiplied by
         # the fp16 loss scale: the scaled copy only drives the backward pass.
-        scaled = self.strategy.scale_loss(loss)
+        # Sequence parallelism sums gradients over the sequence ranks (runtime/sequence_parallel/engine_groups.py)
+        scaled = self.strategy.scale_loss(loss * self._sp_grad_factor if self._sp_grad_factor != 1.0 else loss)
         self.strategy.backward(scaled, sync=allreduce_gradients and self.is_gradient_accumulation_boundary(),
                                retain_graph=retain_graph)
         if obs is not None:

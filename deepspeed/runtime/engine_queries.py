@@ -195,6 +195,22 @@ class EngineConfigQueries:
     def scheduler_params(self) -> Optional[dict]:
         return self.config_obj.scheduler_params
 
+    # -- parallel groups ---------------------------------------------------------------------
+    def get_sequence_parallel_group(self):
+        """This rank's sequence-parallel group (None without sequence parallelism)."""
+        return getattr(self, "seq_parallel_group", None)
+
+    def get_data_parallel_rank(self) -> int:
+        """Rank in the data-parallel group (which excludes the sequence-parallel dimension)."""
+        return self.dp_rank
+
+    def get_model_parallel_rank(self) -> int:
+        return self.mp_rank
+
+    def get_tensor_parallel_rank(self) -> int:
+        from ..utils import groups
+        return groups.get_tensor_model_parallel_rank()
+
     # -- logging -----------------------------------------------------------------------------
     def steps_per_print(self) -> int:
         return self.config_obj.steps_per_print

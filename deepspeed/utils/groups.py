@@ -90,29 +90,111 @@ def get_tensor_model_parallel_rank() -> int:
 
 
 def get_sequence_parallel_group():
-    """Sequence parallelism (Ulysses) comes from an mpu that provides it; without one there
-    is no sequence-parallel group (None, world size 1)."""
-    return _mpu_call("get_sequence_parallel_group", None)
+    """The sequence-parallel (Ulysses) group: from an mpu that provides one, else the groups
+    made by :func:`_create_sequence_parallel_groups` (``sequence_parallel_size`` in the config,
+    or ``UlyssesSPAttentionHF.register_with_transformers``); without either, None (size 1)."""
+    return _mpu_call("get_sequence_parallel_group", _SP_STATE["sp_group"])
 
 
 def get_sequence_parallel_world_size() -> int:
-    return _mpu_call("get_sequence_parallel_world_size", 1)
+    return _mpu_call("get_sequence_parallel_world_size", _SP_STATE["sp_size"])
 
 
 def get_sequence_parallel_rank() -> int:
-    return _mpu_call("get_sequence_parallel_rank", 0)
+    return _mpu_call("get_sequence_parallel_rank", _sp_rank_in(_SP_STATE["sp_ranks"]))
 
 
 def get_sequence_data_parallel_group():
+    """The group ZeRO partitions over and reduces gradients over: every rank that holds a
+    replica of the weights, sequence-parallel x data-parallel."""
+    if _SP_STATE["sp_size"] > 1 and _cg.get_mpu() is None:
+        return _SP_STATE["sdp_group"]
     return _mpu_call("get_sequence_data_parallel_group", get_data_parallel_group())
 
 
 def get_sequence_data_parallel_world_size() -> int:
+    if _SP_STATE["sp_size"] > 1 and _cg.get_mpu() is None:
+        return len(_SP_STATE["sdp_ranks"])
     return _mpu_call("get_sequence_data_parallel_world_size", get_data_parallel_world_size())
 
 
 def get_sequence_data_parallel_rank() -> int:
+    if _SP_STATE["sp_size"] > 1 and _cg.get_mpu() is None:
+        return _sp_rank_in(_SP_STATE["sdp_ranks"])
     return _mpu_call("get_sequence_data_parallel_rank", get_data_parallel_rank())
+
+
+# ---------------------------------------------------------------- sequence parallel groups
+# Layout (DeepSpeed's parallel_state_sp and its (data, sequence) device mesh): sequence-parallel
+# groups are runs of ``sp`` consecutive ranks; the data-parallel groups take one rank from each
+# run (stride ``sp``); the sequence-data-parallel group is every rank. World 4, sp 2:
+#     sequence-parallel [0,1] [2,3]    data-parallel [0,2] [1,3]    sequence-data-parallel [0,1,2,3]
+_SP_STATE: Dict[str, object] = {"sp_size": 1, "sp_group": None, "sp_ranks": None, "dp_group": None,
+                                "dp_ranks": None, "sdp_group": None, "sdp_ranks": None}
+
+
+def _sp_rank_in(ranks) -> int:
+    return ranks.index(_rank()) if ranks else 0
+
+
+def _get_sequence_parallel_ranks(world_size: int, sequence_parallel_size: int
+                                 ) -> Tuple[List[List[int]], List[List[int]], List[int]]:
+    """(sequence-parallel groups, data-parallel groups, sequence-data-parallel ranks)."""
+    ws, sp = int(world_size), int(sequence_parallel_size)
+    if sp < 1:
+        raise ValueError(f"sequence_parallel_size must be >= 1, got {sp}.")
+    if ws % sp:
+        raise ValueError(f"sequence_parallel_size {sp} must divide the world size {ws}; valid values: "
+                         f"{[d for d in range(1, ws + 1) if ws % d == 0]}.")
+    sp_groups = [list(range(i, i + sp)) for i in range(0, ws, sp)]
+    dp_groups = [list(range(j, ws, sp)) for j in range(sp)]
+    return sp_groups, dp_groups, list(range(ws))
+
+
+def _create_sequence_parallel_groups(sequence_parallel_size: int) -> None:
+    """Create the sequence-parallel, data-parallel (excluding the sequence dimension) and
+    sequence-data-parallel groups. Collective: every rank calls it. A second call with the
+    same size is a no-op; a different size is refused (call ``_reset_sequence_parallel_groups``)."""
+    sp = int(sequence_parallel_size)
+    if _SP_STATE["sp_size"] > 1:
+        if _SP_STATE["sp_size"] == sp:
+            return
+        raise RuntimeError(f"sequence-parallel groups of size {_SP_STATE['sp_size']} already exist; cannot "
+                           f"create groups of size {sp} in the same process.")
+    if sp == 1:
+        return
+    if not _initialized():
+        raise RuntimeError("sequence parallelism needs torch.distributed: call deepspeed.init_distributed() "
+                           "before creating sequence-parallel groups.")
+    sp_groups, dp_groups, sdp = _get_sequence_parallel_ranks(_world(), sp)
+    me = _rank()
+    state = {"sp_size": sp, "sdp_ranks": sdp, "sdp_group": dist.group.WORLD}
+    for ranks in sp_groups:  # new_group is collective over the world: every rank creates every group
+        g = dist.new_group(ranks)
+        if me in ranks:
+            state["sp_group"], state["sp_ranks"] = g, ranks
+    for ranks in dp_groups:
+        g = dist.new_group(ranks)
+        if me in ranks:
+            state["dp_group"], state["dp_ranks"] = g, ranks
+    _SP_STATE.update(state)
+
+
+def _sequence_parallel_groups_created() -> bool:
+    return _SP_STATE["sp_size"] > 1
+
+
+def _sequence_parallel_state() -> dict:
+    """The created layout (a copy): sp_size, and for this rank sp_group/sp_ranks (its
+    sequence-parallel group), dp_group/dp_ranks (its data-parallel group, excluding the sequence
+    dimension), sdp_group/sdp_ranks (sequence-data-parallel: every rank)."""
+    return dict(_SP_STATE)
+
+
+def _reset_sequence_parallel_groups() -> None:
+    """Forget the sequence-parallel groups (tests that re-initialise torch.distributed in-process)."""
+    _SP_STATE.update({"sp_size": 1, "sp_group": None, "sp_ranks": None, "dp_group": None, "dp_ranks": None,
+                      "sdp_group": None, "sdp_ranks": None})
 
 
 def _get_broadcast_src_rank() -> int:

@@ -116,7 +116,8 @@ def save_engine_checkpoint(engine, save_dir: str, tag=None, client_state=None, s
     module_sd = engine.strategy.module_state_dict()  # collective at stage 3: every rank calls it
     error = None
     try:
-        dp_rank, mp_rank = engine.dp_rank, engine.mp_rank
+        # ZeRO's rank: with sequence parallelism every sequence x data rank holds its own partition
+        dp_rank, mp_rank = getattr(engine, "seq_dp_rank", engine.dp_rank), engine.mp_rank
         if exclude_frozen_parameters:
             frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
             module_sd = {k: v for k, v in module_sd.items() if k not in frozen}
