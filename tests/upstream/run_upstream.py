@@ -45,7 +45,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUR_REPO = os.path.dirname(os.path.dirname(HERE))
-OUR_PACKAGE = os.path.join(OUR_REPO, "deepspeed")
+OUR_PACKAGE = os.path.join(OUR_REPO, "deepspeed")   # --package-root changes it (e.g. an older worktree)
 DEFAULT_MIRROR = "/work/.mirror/deepspeedai+DeepSpeed/repo"
 
 # The modules the default run covers (paths under tests/unit): the ones that exercise what this
@@ -255,7 +255,8 @@ def run_module(module: str, tests_dir: str, args, scratch: str) -> dict:
         DS_ACCELERATOR="cpu", LOCAL_SIZE=str(args.max_world_size), DS_UPSTREAM_EVENTS=events_path,
         DS_UPSTREAM_DESELECT=deselect_path, DS_UPSTREAM_EXPECT=OUR_PACKAGE,
         DS_UNITTEST_TIMEOUT=str(max(30, args.test_timeout - 15)), CUDA_VISIBLE_DEVICES="",
-        PYTHONPATH=os.pathsep.join([HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
+        PYTHONPATH=os.pathsep.join([HERE] + ([os.path.dirname(OUR_PACKAGE)] if args.package_root else [])
+                                   + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
         HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
     )
     env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)
@@ -352,7 +353,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ds-repo", help="DeepSpeed work tree or bare git repository (default: $DS_UPSTREAM_REPO, "
                     f"else {DEFAULT_MIRROR})")
-    ap.add_argument("--modules", nargs="*", help="module paths under tests/unit (default: the relevant set)")
+    ap.add_argument("--modules", nargs="*", help="module paths under tests/unit, or node ids like "
+                    "'v1/zero/test_zero.py::TestZeroToFP32' (default: the relevant set)")
     ap.add_argument("--all", action="store_true", help="every test module except the out-of-scope ones")
     ap.add_argument("-k", help="pytest -k expression applied to every module")
     ap.add_argument("--test-timeout", type=int, default=int(os.environ.get("DS_UPSTREAM_TEST_TIMEOUT", "240")),
@@ -366,7 +368,12 @@ def main(argv=None):
     ap.add_argument("--json", default=os.environ.get("DS_UPSTREAM_JSON",
                                                      os.path.join(tempfile.gettempdir(), "upstream_unit.json")))
     ap.add_argument("--workdir", help="scratch directory (default: a fresh temporary one)")
+    ap.add_argument("--package-root", help="run against the deepspeed package in this directory instead of this "
+                    "checkout's (e.g. a git worktree of an older commit, for a before/after comparison)")
     args = ap.parse_args(argv)
+    global OUR_PACKAGE
+    if args.package_root:
+        OUR_PACKAGE = os.path.join(os.path.abspath(args.package_root), "deepspeed")
 
     source, where = resolve_source(args.ds_repo)
     workdir = args.workdir or tempfile.mkdtemp(prefix="ds_upstream_run_")
@@ -386,11 +393,11 @@ def main(argv=None):
         if why and not args.modules:
             skipped_modules[module] = why
             continue
-        if not os.path.exists(os.path.join(unit_dir, module)):
+        if not os.path.exists(os.path.join(unit_dir, module.split("::")[0])):
             records.append({"module": module, "tests": {}, "collect_errors": [
                 {"nodeid": module, "message": "no such module in this DeepSpeed copy"}], "seconds": 0.0})
             continue
-        scratch = os.path.join(workdir, "runs", module.replace("/", "__"))
+        scratch = os.path.join(workdir, "runs", re.sub(r"[^A-Za-z0-9_.-]", "_", module))
         os.makedirs(scratch, exist_ok=True)
         rec = run_module(module, tests_dir, args, scratch)
         records.append(rec)

@@ -38,8 +38,8 @@ def _short(report) -> str:
     if isinstance(longrepr, tuple):  # skip: (file, line, reason)
         return str(longrepr[2])[:400]
     crash = getattr(getattr(longrepr, "reprcrash", None), "message", None)
-    if crash:
-        return crash.strip().splitlines()[0][:400] if crash.strip() else ""
+    if crash and crash.strip():
+        return " | ".join(line.strip() for line in crash.strip().splitlines()[:4])[:400]
     text = str(longrepr).strip().splitlines()
     for line in reversed(text):
         if line.startswith("E ") or "Error" in line:

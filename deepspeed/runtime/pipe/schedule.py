@@ -91,12 +91,30 @@ def _forward_cmds(sched: PipeSchedule, buf: int) -> list:
 
 
 class InferenceSchedule(PipeSchedule):
-    """Forward only: micro-batch ``i`` runs on stage ``s`` at step ``i + s``."""
+    """Forward only, DeepSpeed's step layout: micro-batch ``i`` runs its forward on stage
+    ``s`` at step ``i + s``, and the activation it produced is sent to stage ``s + 1`` at
+    the next step (which receives it in that same step, right before its forward).
+
+    Two buffers alternate: a stage forwards into one while the other holds the activation
+    being sent. Within a step, even stages send before they receive and odd stages receive
+    before they send, so adjacent stages never both wait on a receive."""
 
     def steps(self):
+        even = self.stage_id % 2 == 0
         for t in range(self.micro_batches + self.stages - 1):
             i = t - self.stage_id
-            yield _forward_cmds(self, self._buffer_idx(i)) if self._valid_micro_batch(i) else []
+            recv_buf, send_buf = (t % 2, (t + 1) % 2) if even else ((t + 1) % 2, t % 2)
+            cmds = []
+            if (self.is_first_stage or self.is_last_stage) and self._valid_micro_batch(i):
+                cmds.append(LoadMicroBatch(recv_buf))
+            send = [SendActivation(send_buf)] if (
+                self._valid_stage(self.next_stage) and self._valid_micro_batch(i - 1)) else []
+            recv = [RecvActivation(recv_buf)] if (
+                self._valid_stage(self.prev_stage) and self._valid_micro_batch(i)) else []
+            cmds += send + recv if even else recv + send
+            if self._valid_micro_batch(i):
+                cmds.append(ForwardPass(recv_buf))
+            yield cmds
 
     def num_pipe_buffers(self) -> int:
         return 2

@@ -89,6 +89,22 @@ class ProcessTopology:
         return str(self.mapping)
 
 
+def _prime_factors(n: int) -> List[int]:
+    """The prime factors of a positive integer, smallest first, with multiplicity
+    (``12 -> [2, 2, 3]``, ``1 -> []``); DeepSpeed's helper name."""
+    if not isinstance(n, int) or n <= 0:
+        raise ValueError(f"_prime_factors: expected a positive integer, got {n!r}")
+    out, d = [], 2
+    while d * d <= n:
+        while n % d == 0:
+            out.append(d)
+            n //= d
+        d += 1
+    if n > 1:
+        out.append(n)
+    return out
+
+
 class PipeDataParallelTopology(ProcessTopology):
     """Pipeline x data parallelism; data-parallel peers are adjacent ranks."""
 

@@ -4,7 +4,8 @@ schedule (generation loops, evaluation) or wants gathered memory back.
 * ``unwrap_model_for_generation(model)``: a context manager yielding the underlying
   module with every ZeRO-3 parameter gathered for the whole block, so a generation loop's
   many forwards reuse the full weights instead of gathering and releasing each module per
-  token (TRL wraps ``model.generate`` in it). On exit the parameters are partitioned again.
+  token (TRL wraps ``model.generate`` in it). The engine's parameter hooks are off inside
+  the block. On exit the parameters are partitioned again and the hooks are back.
 * ``empty_partition_cache(engine)``: release every gathered (non-persistent) stage-3
   parameter the schedule still holds and return freed memory to the allocator
   (``engine.empty_partition_cache()``).
@@ -35,8 +36,17 @@ def unwrap_model_for_generation(model, gather_deepspeed3_params: bool = True):
     if not params or not gather_deepspeed3_params:
         yield module
         return
+    # As DeepSpeed does: the engine's gather/release module hooks come off for the block (the
+    # weights are already whole; each forward would only walk them) and go back on after.
+    coordinator = getattr(getattr(model, "strategy", None), "coordinator", None)
     with GatheredParameters(params):
-        yield module
+        if coordinator is not None:
+            coordinator.remove()
+        try:
+            yield module
+        finally:
+            if coordinator is not None:
+                coordinator._register_deepspeed_module(coordinator.module)
 
 
 def empty_partition_cache(engine) -> None:

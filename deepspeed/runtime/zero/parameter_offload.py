@@ -82,6 +82,12 @@ class ParameterCoordinator:
         self.hooks = []
         self.names = {}
         self.nvme = any(getattr(getattr(p, "_z3", None), "swapper", None) is not None for p in module.parameters())
+        self._register_deepspeed_module(module)
+
+    def _register_deepspeed_module(self, module) -> None:
+        """Install the gather/release hooks on every submodule of ``module`` (DeepSpeed's
+        ``DeepSpeedZeRoOffload`` method name: ``unwrap_model_for_generation`` re-registers
+        the hooks it removed through it)."""
         for name, m in module.named_modules():
             self.names[id(m)] = name or type(m).__name__
             self.hooks.append(m.register_forward_pre_hook(self._pre_forward))
@@ -91,6 +97,28 @@ class ParameterCoordinator:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+
+    _remove_module_hooks = remove   # DeepSpeed's name
+
+    # DeepSpeed's DeepSpeedZeRoOffload attributes, read by tools and tests: the module hook
+    # handles. Backward gathers hang off forward outputs per step, so there are no standing
+    # backward module hooks to list.
+    @property
+    def forward_hooks(self) -> list:
+        return self.hooks
+
+    @forward_hooks.setter
+    def forward_hooks(self, handles) -> None:
+        self.hooks = list(handles)
+
+    @property
+    def backward_hooks(self) -> list:
+        return []
+
+    @backward_hooks.setter
+    def backward_hooks(self, handles) -> None:
+        for h in handles:
+            h.remove()
 
     # -- step boundaries -------------------------------------------------------------------
     def new_step(self) -> None:

@@ -435,5 +435,5 @@ class GatheredParameters:
             for p, was in zip(self.params, self._was_available):
                 p._z3_holds -= 1
                 if not was and p._z3_holds == 0:
-                    release_param(p)
+                    release_param(p, rebind=True)   # a p.detach() taken inside stays valid
         return False

@@ -306,8 +306,14 @@ def wait_available(params) -> None:
             p._z3_handle.wait()
 
 
-def release_param(p, force: bool = False) -> bool:
-    """Drop the full copy of ``p`` (kept if persistent or held by GatheredParameters)."""
+def release_param(p, force: bool = False, rebind: bool = False) -> bool:
+    """Drop the full copy of ``p`` (kept if persistent or held by GatheredParameters).
+
+    The schedule's release frees the gathered storage in place, and the next gather refills
+    that same storage, so views of it that autograd saved in forward are whole again in
+    backward. ``rebind=True`` (GatheredParameters' exit, as DeepSpeed does it) only rebinds
+    ``p.data``: a tensor the user took inside the block (``p.detach()``, ``p.data``) keeps
+    its values, and the memory goes when the last such reference does."""
     if p.ds_persist or p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
         return False
     if p._z3_holds > 0 and not force:
@@ -315,7 +321,10 @@ def release_param(p, force: bool = False) -> bool:
     if p.ds_status == ZeroParamStatus.INFLIGHT:
         p._z3_handle.wait()
     p.data = _placeholder(p.ds_tensor.dtype, p._z3.device)
-    p._z3_full.untyped_storage().resize_(0)
+    if rebind:
+        p._z3_full = None
+    else:
+        p._z3_full.untyped_storage().resize_(0)
     p.ds_status = ZeroParamStatus.NOT_AVAILABLE
     return True
 

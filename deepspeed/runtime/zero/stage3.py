@@ -396,6 +396,47 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         for p in self.module.parameters():
             p.grad = None
 
+    # -- DeepSpeed's introspection names (tests and tools read them) ------------------------
+    # A "sub-group" is one chunk of MasterPartitions: whole partitions of one optimizer group,
+    # at most sub_group_size elements (DeepSpeed's sub_group_size has the same meaning).
+    @property
+    def parameter_offload(self):
+        """The module-hook owner (DeepSpeed's ``DeepSpeedZeRoOffload``): ``forward_hooks``,
+        ``_register_deepspeed_module``, ``_remove_module_hooks``."""
+        return self.coordinator
+
+    @property
+    def fp16_groups(self) -> list:
+        """Per sub-group, its parameters (the training-dtype module parameters)."""
+        return [list(c.params) for c in self.parts.chunks]
+
+    @property
+    def fp16_partitioned_groups_flat(self) -> list:
+        """Per sub-group, the flat tensor holding this rank's partitions in the training dtype."""
+        return [c.lp for c in self.parts.chunks]
+
+    @property
+    def fp32_partitioned_groups_flat(self) -> list:
+        """Per sub-group, this rank's flat fp32 master partition: the tensor the optimizer steps,
+        so ``optimizer.state[fp32_partitioned_groups_flat[i]]`` is its state."""
+        return [c.master for c in self.parts.chunks]
+
+    @property
+    def averaged_gradients(self) -> dict:
+        """{sub-group: [this rank's reduced (averaged, accumulated) gradient partition of each
+        parameter]}, views of the gradient partitions the step will use (until it zeroes them).
+        Complete after ``engine.backward`` (which waits for the reductions it launched)."""
+        return {i: [self.parts.grad_view(p) for p in c.params] for i, c in enumerate(self.parts.chunks)}
+
+    def get_fp32_grad_partitions(self) -> dict:
+        """{sub-group: {parameter index in it: this rank's gradient partition, as fp32}}."""
+        return {i: {j: g.float() for j, g in enumerate(grads)} for i, grads in self.averaged_gradients.items()}
+
+    @property
+    def _global_grad_norm(self):
+        """The gradient norm of the last step (None before one, or after an fp16 overflow)."""
+        return self.last_grad_norm
+
     # -- parameters modified outside training (GatheredParameters with modifier_rank) ---------
     def _on_param_modified(self, p) -> None:
         if self.parts.owns(p):
