@@ -13,10 +13,13 @@ Parts, one job each:
   ``allreduce=False`` / ``group_name`` so training reduces them over the
   expert-data-parallel group.
 * :mod:`.utils` - ``is_moe_param``, ``split_params_into_different_moe_groups_for_optimizer``, ...
-* :mod:`.checkpoint` - expert weights in DeepSpeed's per-expert files and back, at any ep size.
+* :mod:`.checkpoint` - expert weights in DeepSpeed's per-expert files and back, at any ep size
+  (registered with the generic checkpoint code as a module part when this package is imported).
 * :mod:`.training` - what the engine needs: the composite strategy that reduces expert
-  gradients over their own groups and steps with one global norm / overflow decision.
+  gradients over their own groups and steps with one global norm / overflow decision, and
+  the start-up broadcast of expert weights over their expert-data-parallel groups.
 
 Process groups live in :mod:`deepspeed.utils.groups`.
 """
 from .layer import MoE  # noqa: F401
+from . import checkpoint  # noqa: F401,E402  (registers MoE's per-expert checkpoint files)

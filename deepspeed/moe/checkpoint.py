@@ -24,6 +24,7 @@ from typing import Dict, List, Tuple
 import torch.distributed as dist
 
 from ..runtime.checkpoint.errors import CheckpointError
+from ..runtime.checkpoint.module_parts import register_module_part
 from ..runtime.checkpoint.universal import FORMAT, VERSION, FragmentIndex, _load
 from ..utils import groups
 from .utils import is_moe_param
@@ -70,21 +71,6 @@ def expert_optim_file_name(ep_rank: int, edp_rank: int, group_name: str, mp_rank
 
 
 # ---------------------------------------------------------------- module weights
-def broadcast_expert_params(module) -> None:
-    """Start every expert replica from rank 0 of its expert-data-parallel group."""
-    from .training import ensure_expert_groups
-    ensure_expert_groups(module)
-    for _, layer in _moe_layers(module):
-        name = layer.expert_group_name
-        if name not in groups.get_expert_data_parallel_group_dict():
-            continue
-        if groups.get_expert_data_parallel_world_size(name) <= 1:
-            continue
-        src = groups._get_expert_broadcast_src_rank(name)
-        for p in layer.deepspeed_moe.experts.parameters():
-            dist.broadcast(p.data, src=src, group=groups.get_expert_data_parallel_group(name))
-
-
 def split_and_save_experts(engine, writer, module_sd: dict) -> dict:
     """Write this rank's experts (expert-data-parallel rank 0 only) into per-expert files
     and return the dense part of ``module_sd``."""
@@ -252,3 +238,7 @@ def index_with_experts(path: str, idx: FragmentIndex, mp_rank: int = 0) -> Fragm
     if not extra:
         return idx
     return merged_index(list(idx.states) + extra, path)
+
+
+# the engine's checkpoint code writes and reads expert files through this part
+register_module_part("moe_experts", split=split_and_save_experts, merge=merge_local_experts)

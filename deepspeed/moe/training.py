@@ -109,6 +109,21 @@ def ensure_expert_groups(module) -> None:
             m.set_deepspeed_parallelism()
 
 
+def broadcast_expert_params(module) -> None:
+    """Start every expert replica from rank 0 of its expert-data-parallel group."""
+    from .layer import MoE
+    ensure_expert_groups(module)
+    for layer in (m for m in module.modules() if isinstance(m, MoE)):
+        name = layer.expert_group_name
+        if name not in groups.get_expert_data_parallel_group_dict():
+            continue
+        if groups.get_expert_data_parallel_world_size(name) <= 1:
+            continue
+        src = groups._get_expert_broadcast_src_rank(name)
+        for p in layer.deepspeed_moe.experts.parameters():
+            dist.broadcast(p.data, src=src, group=groups.get_expert_data_parallel_group(name))
+
+
 def build_moe_strategy(module, ctx, cls):
     """The strategy for a model with expert parameters (``strategy_factory`` calls this)."""
     ensure_expert_groups(module)

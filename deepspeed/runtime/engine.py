@@ -151,7 +151,7 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
         """Start every replica (data- and sequence-parallel ranks) from rank 0's weights and buffers."""
         if self.seq_dp_world_size <= 1:
             return
-        from ..moe.checkpoint import broadcast_expert_params
+        from ..moe.training import broadcast_expert_params
         broadcast_expert_params(self.module)  # MoE experts: from rank 0 of their expert-data-parallel group
         tensors = [t for t in list(self.module.parameters()) + list(self.module.buffers())
                    if not hasattr(t, "ds_id")  # zero.Init parameters are already consistent

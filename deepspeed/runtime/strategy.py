@@ -21,6 +21,8 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from .module_state import load_module_checked
+
 
 @dataclass
 class StepOutcome:
@@ -109,7 +111,6 @@ class TrainingStrategy(ABC):
 
     def load_module_state_dict(self, state_dict: dict, strict: bool = True) -> None:
         """Load full module weights (stage 3 overrides to re-partition)."""
-        from .checkpoint.engine_checkpoint import load_module_checked
         load_module_checked(self.module, state_dict, strict)
 
     @abstractmethod

@@ -13,6 +13,7 @@ from ... import comm as ds_comm
 from ...utils.logging import logger
 from .errors import CheckpointAssertionError, CheckpointError
 from .io import CheckpointReader, CheckpointWriter, read_latest_tag
+from .module_parts import merge_module_state, split_module_state
 from ..engine_features import checkpoint_state as feature_checkpoint_state
 from ..engine_features import load_checkpoint_state as load_feature_checkpoint_state
 
@@ -121,8 +122,7 @@ def save_engine_checkpoint(engine, save_dir: str, tag=None, client_state=None, s
         if exclude_frozen_parameters:
             frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
             module_sd = {k: v for k, v in module_sd.items() if k not in frozen}
-        from ...moe.checkpoint import split_and_save_experts
-        module_sd = split_and_save_experts(engine, writer, module_sd)  # MoE: per-expert files
+        module_sd = split_module_state(engine, writer, module_sd)  # registered parts (MoE: per-expert files)
         stage3 = engine.zero_optimization_partition_weights()
         if dp_rank == 0 or stage3:
             state = {
@@ -207,8 +207,7 @@ def load_engine_checkpoint(engine, load_dir: str, tag=None, load_module_strict=T
     if is_native_model_state(state):  # written by DeepSpeed itself (its layout; see deepspeed_native)
         state = dict(state, module=full_module_state(reader.path, engine.mp_rank),
                      client_state=client_state_of(state))
-    from ...moe.checkpoint import merge_local_experts
-    module_sd = merge_local_experts(engine, reader, state["module"])  # MoE: this rank's experts
+    module_sd = merge_module_state(engine, reader, state["module"])  # registered parts (MoE: this rank's experts)
     engine._load_module_weights(module_sd, strict=load_module_strict, custom_load_fn=custom_load_fn)
     if load_module_only:
         engine.strategy.after_module_load()
@@ -231,24 +230,3 @@ def load_engine_checkpoint(engine, load_dir: str, tag=None, load_module_strict=T
         logger.warning(f"No RNG state for rank {rank} in '{reader.path}' (saved at another world size); "
                        f"RNG streams continue from their current state.")
     return reader.path, state.get("client_state", {})
-
-
-def load_module_checked(module: torch.nn.Module, sd: dict, strict: bool) -> None:
-    """Load ``sd`` into ``module``; on a mismatch raise an error naming every key involved."""
-    own = module.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    shapes = [f"{k} (checkpoint {tuple(sd[k].shape)}, model {tuple(own[k].shape)})"
-              for k in own if k in sd and torch.is_tensor(sd[k]) and sd[k].shape != own[k].shape]
-    if shapes or (strict and (missing or unexpected)):
-        parts = []
-        if missing:
-            parts.append(f"missing keys {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys {unexpected}")
-        if shapes:
-            parts.append(f"shape mismatches {shapes}")
-        raise CheckpointError("Checkpoint does not match the model: " + "; ".join(parts)
-                              + (". Pass load_module_strict=False to load the matching keys only."
-                                 if not shapes else "."))
-    module.load_state_dict({k: v for k, v in sd.items() if k in own}, strict=False)
