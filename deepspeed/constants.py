@@ -11,5 +11,6 @@ CROSS_RANK = "CROSS_RANK"
 CROSS_SIZE = "CROSS_SIZE"
 LOCAL_RANK = "LOCAL_RANK"
 
-# The default collective timeout (DEEPSPEED_TIMEOUT minutes, 30 by default), as deepspeed.comm uses it.
-default_pg_timeout = datetime.timedelta(minutes=float(os.environ.get("DEEPSPEED_TIMEOUT", "30")))
+# The default collective timeout (DEEPSPEED_TIMEOUT minutes, 10 by default as in DeepSpeed 0.19),
+# as deepspeed.comm uses it.
+default_pg_timeout = datetime.timedelta(minutes=float(os.environ.get("DEEPSPEED_TIMEOUT", "10")))

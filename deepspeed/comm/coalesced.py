@@ -241,3 +241,6 @@ __all__ += ["all_reduce_coalesced", "all_gather_coalesced", "reduce_scatter_coal
 from .comms_logging import wrap_ops as _wrap_ops  # noqa: E402
 
 _wrap_ops(globals())
+from .timeouts import wrap_ops as _name_failures  # noqa: E402
+
+_name_failures(globals(), ("all_reduce_coalesced", "all_gather_coalesced", "reduce_scatter_coalesced"))

@@ -23,9 +23,10 @@ __all__ = [
     "comm_device", "to_comm_device", "CompletedWork",
 ]
 
-# DeepSpeed's default process-group timeout is 30 minutes; DEEPSPEED_TIMEOUT (minutes) overrides.
+# DeepSpeed's default process-group timeout is 10 minutes (deepspeed.constants.default_pg_timeout,
+# 0.19); DEEPSPEED_TIMEOUT (minutes) overrides.
 def default_timeout() -> datetime.timedelta:
-    return datetime.timedelta(minutes=float(os.environ.get("DEEPSPEED_TIMEOUT", "30")))
+    return datetime.timedelta(minutes=float(os.environ.get("DEEPSPEED_TIMEOUT", "10")))
 
 
 def is_available() -> bool:
@@ -321,3 +322,12 @@ from .comms_logging import configure, log_summary, comms_logger, wrap_ops as _wr
 
 _wrap_ops(globals())
 __all__ += ["configure", "log_summary", "comms_logger"]
+
+# A collective that times out or loses a peer raises CollectiveTimeoutError naming the op and
+# the training step, from the call or from its async handle's wait() (deepspeed.comm.timeouts).
+from .timeouts import CollectiveTimeoutError, wrap_ops as _name_failures  # noqa: E402,F401
+
+_name_failures(globals(), ("barrier", "monitored_barrier", "all_reduce", "reduce", "all_gather", "all_gather_object",
+                           "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+                           "broadcast_object_list", "all_to_all_single", "send", "recv", "isend", "irecv"))
+__all__ += ["CollectiveTimeoutError"]

@@ -192,9 +192,37 @@ def drain_gloo_workers(timeout: float) -> Tuple[int, bool]:
             return rounds, False
 
 
+def _leave_after_collective_failure(t0: float) -> None:
+    """A collective timed out or lost a peer and the script is exiting with that error: the
+    process group is broken (a peer may be stopped, holding the store), so neither the exit
+    barrier nor destroying the group can complete promptly. Flush what was written and
+    leave now with the failure status (skipping finalization, hence also the gloo worker
+    race described above)."""
+    import logging
+    try:
+        logging.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - closed
+            pass
+    if os.environ.get("DEEPSPEED_CLEAN_EXIT_DEBUG", "0") not in ("", "0"):
+        try:
+            print(f"deepspeed clean exit (pid {os.getpid()}): collective failed, leaving at once "
+                  f"{time.monotonic() - t0:.3f}s", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(1)
+
+
 def _at_exit() -> None:
     t0 = time.monotonic()
     notes = []
+    from .timeouts import failed
+    if failed() and _exception_seen:
+        _leave_after_collective_failure(t0)
     try:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():

@@ -248,10 +248,27 @@ def run(args) -> int:
 def main(args: Optional[List[str]] = None) -> int:
     parsed = parse_args(args)
     try:
-        return run(parsed)
+        code = run(parsed)
     except ResourceError as err:
         print(f"deepspeed: error: {err}", file=sys.stderr)
         return 2
+    if code != 0 and args is None:   # from the command line
+        _leave_now(code)
+    return code
+
+
+def _leave_now(code: int) -> None:
+    """The job failed and every rank is gone: exit without interpreter finalization, which
+    with torch loaded takes seconds on a busy machine (a job should be down within ~2 s of a
+    rank's failure, e.g. a collective timeout). Output is flushed first."""
+    import logging
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - closed
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

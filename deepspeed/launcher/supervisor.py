@@ -188,6 +188,8 @@ class Supervisor:
 
     def _begin_stop(self, signum: int) -> None:
         self._signal_all(signum)
+        if signum != signal.SIGKILL and hasattr(signal, "SIGCONT"):
+            self._signal_all(signal.SIGCONT)   # a stopped (stalled) rank acts on the signal now, not at SIGKILL
         if self._kill_deadline is None:
             self._kill_deadline = time.monotonic() + self.grace_s
 

@@ -86,6 +86,7 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        comm.timeouts.set_step_source(self)   # collective failures name this engine's step
         self._boundary_override = None
         self._last_loss = None
         self._losses_since_print = []
