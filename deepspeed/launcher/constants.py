@@ -15,7 +15,10 @@ SSH_LAUNCHER = "ssh"
 OPENMPI_LAUNCHER = "openmpi"
 MPICH_LAUNCHER = "mpich"
 SLURM_LAUNCHER = "slurm"
-MULTINODE_LAUNCHERS = (PDSH_LAUNCHER, SSH_LAUNCHER, OPENMPI_LAUNCHER, MPICH_LAUNCHER, SLURM_LAUNCHER)
+MVAPICH_LAUNCHER = "mvapich"
+MULTINODE_LAUNCHERS = (PDSH_LAUNCHER, SSH_LAUNCHER, OPENMPI_LAUNCHER, MPICH_LAUNCHER, SLURM_LAUNCHER, MVAPICH_LAUNCHER)
+# Where the mvapich runner writes its host list (DeepSpeed's path).
+MVAPICH_TMP_HOSTFILE = "/tmp/deepspeed_mvapich_hostfile"
 
 # Variables whose names start with one of these are forwarded to remote nodes.
 EXPORT_ENV_PREFIXES = ("NCCL", "PYTHON", "MV2", "UCX", "MLFLOW", "GLOO", "TORCH", "OMP")

@@ -23,7 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from .constants import (MPICH_LAUNCHER, OPENMPI_LAUNCHER, PDSH_LAUNCHER, SLURM_LAUNCHER, SSH_LAUNCHER)
+from .constants import (MPICH_LAUNCHER, MVAPICH_LAUNCHER, MVAPICH_TMP_HOSTFILE, OPENMPI_LAUNCHER, PDSH_LAUNCHER,
+                        SLURM_LAUNCHER, SSH_LAUNCHER)
 from .hostfile import ResourceError, as_slot_lists, decode_world_info, total_slots
 
 
@@ -46,7 +47,15 @@ class MultiNodeRunner:
         # MPI/Slurm with slot counts; without resources they come from the encoded world info.
         self.args = args
         self.world_info_base64 = world_info_base64
-        self.resources = as_slot_lists(resources) if resources is not None else decode_world_info(world_info_base64)
+        self.resources = OrderedDict()
+        self._world_info_error = None
+        if resources is not None:
+            self.resources = as_slot_lists(resources)
+        else:   # read lazily: a runner built only to collect exports needs no valid world info
+            try:
+                self.resources = decode_world_info(world_info_base64)
+            except ResourceError as err:
+                self._world_info_error = err
         self.exports = OrderedDict(exports or {})
         self.cwd = os.path.abspath(os.getcwd())
 
@@ -54,6 +63,8 @@ class MultiNodeRunner:
         """DeepSpeed passes the active resources to get_cmd; they replace the constructor's."""
         if active_resources is not None:
             self.resources = as_slot_lists(active_resources)
+        elif self._world_info_error is not None:
+            raise self._world_info_error
 
     def add_export(self, key: str, var: str) -> None:
         """Export ``key=var`` to every rank (DeepSpeed's runner method)."""
@@ -67,8 +78,16 @@ class MultiNodeRunner:
     def backend_exists(self) -> bool:
         return shutil.which(self.tool) is not None
 
-    def get_cmd(self, environment: Dict[str, str], active_resources=None) -> List[NodeCommand]:
+    def node_commands(self, environment: Dict[str, str], active_resources=None) -> List[NodeCommand]:
+        """The processes to start here (argv and environment each); what ``deepspeed`` runs."""
         raise TypeError(f"{type(self).__name__} does not build commands; use a concrete runner")
+
+    def get_cmd(self, environment: Dict[str, str], active_resources=None):
+        """DeepSpeed's shape: the one command line (a list of strings) to run here. (PDSH
+        returns ``(cmd, kill_cmd, environment)``; SSH one command line per node.)"""
+        cmds = self.node_commands(environment, active_resources)
+        environment.update(cmds[0].env)   # what the command needs in its environment (srun: the exports)
+        return cmds[0].argv
 
     # -- shared pieces -------------------------------------------------------
     @property
@@ -130,7 +149,7 @@ class PDSHRunner(MultiNodeRunner):
     name = PDSH_LAUNCHER
     tool = "pdsh"
 
-    def get_cmd(self, environment, active_resources=None):
+    def node_commands(self, environment, active_resources=None):
         self._use(active_resources)
         env = dict(environment)
         env["PDSH_RCMD_TYPE"] = "ssh"
@@ -140,6 +159,16 @@ class PDSHRunner(MultiNodeRunner):
         argv = ["pdsh", "-S", "-f", "1024", "-w", ",".join(self.resources)] + self.launcher_args
         argv.append(self.remote_shell_command(self.launch_argv("%n")))
         return [NodeCommand("pdsh", argv, env)]
+
+    def get_cmd(self, environment, active_resources=None):
+        """DeepSpeed's shape: ``(cmd, kill_cmd, environment)``; ``kill_cmd`` stops the
+        per-node launchers of this job (pdsh runs ``pkill -f`` on every node)."""
+        cmd = self.node_commands(environment, active_resources)[0]
+        environment.update(cmd.env)
+        pattern = f"deepspeed.launcher.launch --world_info={self.world_info_base64}"
+        kill = ["pdsh", "-S", "-f", "1024", "-w", ",".join(self.resources)] + self.launcher_args + \
+            ["pkill -f " + shlex.quote(pattern)]
+        return cmd.argv, kill, environment
 
 
 class SSHRunner(MultiNodeRunner):
@@ -154,7 +183,7 @@ class SSHRunner(MultiNodeRunner):
             argv += ["-p", str(self.args.ssh_port)]
         return argv + self.launcher_args
 
-    def get_cmd(self, environment, active_resources=None):
+    def node_commands(self, environment, active_resources=None):
         self._use(active_resources)
         cmds = []
         for node_rank, host in enumerate(self.resources):
@@ -164,17 +193,36 @@ class SSHRunner(MultiNodeRunner):
             cmds.append(NodeCommand(f"node {node_rank} ({host})", argv, dict(environment), stdin_pipe=True))
         return cmds
 
+    def get_cmd(self, environment, active_resources=None):
+        """One ``ssh`` command line per node."""
+        return [c.argv for c in self.node_commands(environment, active_resources)]
+
 
 class OpenMPIRunner(MultiNodeRunner):
-    """``mpirun -n N -H h1:n1,h2:n2 -wdir <cwd> -x K=V ... python -u script args``."""
+    """``mpirun -n N -H h1:n1,h2:n2 -wdir <cwd> --mca btl ^openib --mca btl_tcp_if_include eth0
+    -x K=V ... python -u script args``.
+
+    DeepSpeed's defaults: the openib transport off and TCP on ``eth0``, each unless
+    ``--launcher_args`` sets that parameter itself (``-mca``/``--mca btl ...`` or
+    ``btl_tcp_if_include ...``), and ``UCX_TLS=tcp`` exported unless the environment sets it."""
     name = OPENMPI_LAUNCHER
     tool = "ompi_info"
 
-    def get_cmd(self, environment, active_resources=None):
+    def __init__(self, args, world_info_base64: str, resources=None, exports=None):
+        super().__init__(args, world_info_base64, resources, exports)
+        self.exports.setdefault("UCX_TLS", "tcp")
+
+    def _mca_defaults(self) -> List[str]:
+        la = self.launcher_args
+        given = {b for a, b in zip(la, la[1:]) if a in ("-mca", "--mca")}
+        return (([] if "btl" in given else ["--mca", "btl", "^openib"])
+                + ([] if "btl_tcp_if_include" in given else ["--mca", "btl_tcp_if_include", "eth0"]))
+
+    def node_commands(self, environment, active_resources=None):
         self._use(active_resources)
         self.require_leading_slots()
         argv = ["mpirun", "-n", str(total_slots(self.resources)), "-H", self.host_counts(),
-                "-wdir", self.cwd] + self.launcher_args
+                "-wdir", self.cwd] + self._mca_defaults() + self.launcher_args
         for k, v in self.mpi_exports().items():
             argv += ["-x", f"{k}={v}"]
         return [NodeCommand("mpirun", argv + self.script_argv(), dict(environment))]
@@ -185,7 +233,7 @@ class MPICHRunner(MultiNodeRunner):
     name = MPICH_LAUNCHER
     tool = "mpirun"
 
-    def get_cmd(self, environment, active_resources=None):
+    def node_commands(self, environment, active_resources=None):
         self._use(active_resources)
         self.require_leading_slots()
         argv = ["mpirun", "-n", str(total_slots(self.resources)), "-hosts", self.host_counts(),
@@ -204,7 +252,7 @@ class SlurmRunner(MultiNodeRunner):
     name = SLURM_LAUNCHER
     tool = "srun"
 
-    def get_cmd(self, environment, active_resources=None):
+    def node_commands(self, environment, active_resources=None):
         self._use(active_resources)
         self.require_leading_slots()
         per_node = {len(s) for s in self.resources.values()}
@@ -221,7 +269,52 @@ class SlurmRunner(MultiNodeRunner):
         return [NodeCommand("srun", argv + self.launcher_args + self.script_argv(), env)]
 
 
-RUNNERS = {r.name: r for r in (PDSHRunner, SSHRunner, OpenMPIRunner, MPICHRunner, SlurmRunner)}
+class MVAPICHRunner(MultiNodeRunner):
+    """MVAPICH2-GDR: ``mpirun -np N -ppn n --hostfile <file> -env K=V ... python -u script args``,
+    with DeepSpeed's MV2_* settings exported. The host list goes to a file
+    (``MVAPICH_TMP_HOSTFILE``), written when the command is built."""
+    name = MVAPICH_LAUNCHER
+    tool = "mpiname"
+
+    def __init__(self, args, world_info_base64: str, resources=None, exports=None):
+        super().__init__(args, world_info_base64, resources, exports)
+        settings = [("MV2_SMP_USE_CMA", "0"), ("MV2_DEBUG_SHOW_BACKTRACE", "1"), ("MV2_SUPPORT_DL", "1"),
+                    ("MV2_ENABLE_AFFINITY", "0"), ("MV2_INTER_ALLGATHER_TUNING", "5"), ("MV2_CUDA_USE_NAIVE", "0")]
+        from ..accelerator import get_accelerator
+        if get_accelerator().device_name() == "cuda":
+            settings.insert(2, ("MV2_USE_CUDA", "1"))
+        for k, v in settings:
+            self.exports.setdefault(k, v)
+
+    def backend_exists(self) -> bool:
+        """``mpiname`` on PATH and reporting MVAPICH2-GDR (what DeepSpeed requires)."""
+        if shutil.which("mpiname") is None:
+            return False
+        import subprocess
+        try:
+            out = subprocess.run(["mpiname"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return "MVAPICH2-GDR" in out
+
+    def node_commands(self, environment, active_resources=None):
+        self._use(active_resources)
+        self.require_leading_slots()
+        per_node = {len(s) for s in self.resources.values()}
+        if len(per_node) != 1:
+            counts = ", ".join(f"{h}={len(s)}" for h, s in self.resources.items())
+            raise ResourceError(f"--launcher mvapich needs the same number of slots on every node, got {counts}; "
+                                f"use --num_gpus to even them out")
+        with open(MVAPICH_TMP_HOSTFILE, "w") as f:
+            f.write("".join(f"{h}\n" for h in self.resources))
+        argv = ["mpirun", "-np", str(total_slots(self.resources)), "-ppn", str(per_node.pop()),
+                "--hostfile", MVAPICH_TMP_HOSTFILE] + self.launcher_args
+        for k, v in self.mpi_exports().items():
+            argv += ["-env", f"{k}={v}"]
+        return [NodeCommand("mpirun", argv + self.script_argv(), dict(environment))]
+
+
+RUNNERS = {r.name: r for r in (PDSHRunner, SSHRunner, OpenMPIRunner, MPICHRunner, SlurmRunner, MVAPICHRunner)}
 
 
 def get_runner(name: str, args, world_info_base64: str, resources, exports) -> MultiNodeRunner:

@@ -157,8 +157,11 @@ def resolve_resources(args) -> "OrderedDict[str, List[int]]":
     """The active resources (host -> slot ids) for these arguments."""
     hosts = fetch_hostfile(args.hostfile)
     pool = pool_from_slot_counts(hosts) if hosts is not None else _local_pool(args.num_gpus)
-    return select_resources(pool, include=args.include, exclude=args.exclude,
-                            num_nodes=args.num_nodes, num_gpus=args.num_gpus)
+    active = select_resources(pool, include=args.include, exclude=args.exclude,
+                              num_nodes=args.num_nodes, num_gpus=args.num_gpus)
+    if not active:
+        raise ResourceError(f"--exclude {args.exclude!r} removes every slot; nothing is left to run on")
+    return active
 
 
 # --------------------------------------------------------------------------- running
@@ -206,7 +209,7 @@ def multinode_commands(args, environ: Optional[Dict[str, str]] = None):
     args.master_addr = args.master_addr or next(iter(active))
     runner = get_runner(args.launcher, args, encode_world_info(active), active,
                         collect_exports(env, env_file_vars))
-    return runner, runner.get_cmd(env)
+    return runner, runner.node_commands(env)
 
 
 def _launch_multinode(args) -> int:
@@ -246,13 +249,18 @@ def run(args) -> int:
 
 
 def main(args: Optional[List[str]] = None) -> int:
+    """The ``deepspeed`` command. Called with ``args`` (a program driving the launcher), a bad
+    resource request raises, as DeepSpeed's ``runner.main`` does (``ResourceError`` is a
+    ``ValueError``); from the command line (``args`` None) it is printed and the exit code is 2."""
     parsed = parse_args(args)
+    if args is not None:
+        return run(parsed)
     try:
         code = run(parsed)
     except ResourceError as err:
         print(f"deepspeed: error: {err}", file=sys.stderr)
         return 2
-    if code != 0 and args is None:   # from the command line
+    if code != 0:
         _leave_now(code)
     return code
 

@@ -73,11 +73,46 @@ def test_ssh_flags_reach_the_node_launcher(job):
 def test_openmpi_command(job):
     cwd, environ = job
     r, cmds = _commands(environ, "--launcher", "openmpi", "--launcher_args", "--mca btl ^openib")
+    # DeepSpeed's defaults: TCP on eth0 (the user set btl, so it is not repeated), UCX_TLS=tcp
     assert cmds[0].argv == [
-        "mpirun", "-n", "4", "-H", "worker-0:2,worker-1:2", "-wdir", cwd, "--mca", "btl", "^openib",
+        "mpirun", "-n", "4", "-H", "worker-0:2,worker-1:2", "-wdir", cwd,
+        "--mca", "btl_tcp_if_include", "eth0", "--mca", "btl", "^openib",
         "-x", "NCCL_DEBUG=INFO", "-x", f"PYTHONPATH={cwd}:/opt/lib", "-x", "FROM_HOME=1",
-        "-x", "SHARED=cwd value", "-x", "MASTER_ADDR=worker-0", "-x", "MASTER_PORT=29500",
+        "-x", "SHARED=cwd value", "-x", "UCX_TLS=tcp", "-x", "MASTER_ADDR=worker-0", "-x", "MASTER_PORT=29500",
         PY, "-u", "train.py", "--lr", "0.1"]
+    # a NIC named by the user replaces the eth0 default; -mca and --mca both count
+    for flag in ("-mca", "--mca"):
+        r, cmds = _commands(environ, "--launcher", "openmpi", "--launcher_args", f"{flag} btl_tcp_if_include eth1")
+        argv = cmds[0].argv
+        assert "eth0" not in argv and argv[argv.index("eth1") - 2:argv.index("eth1") + 1] == \
+            [flag, "btl_tcp_if_include", "eth1"]
+        assert argv[7:10] == ["--mca", "btl", "^openib"]
+
+
+def test_get_cmd_has_deepspeeds_shapes(job):
+    """DeepSpeed's get_cmd: PDSH returns (cmd, kill_cmd, env); MPI/Slurm/MVAPICH one argv list."""
+    from deepspeed.launcher import multinode_runner as mn
+    cwd, environ = job
+    args = runner.parse_args(["train.py"])
+    pool = {"worker-0": 4, "worker-1": 4}
+    world = encode_world_info(pool)
+    cmd, kill, env = mn.PDSHRunner(args, world).get_cmd(dict(environ), pool)
+    assert cmd[0] == "pdsh" and env["PDSH_RCMD_TYPE"] == "ssh" and kill[0] == "pdsh"
+    assert kill[-1] == f"pkill -f 'deepspeed.launcher.launch --world_info={world}'"
+    for cls, head in ((mn.OpenMPIRunner, "mpirun"), (mn.MPICHRunner, "mpirun"), (mn.SlurmRunner, "srun"),
+                      (mn.MVAPICHRunner, "mpirun")):
+        got = cls(args, world, pool).get_cmd(dict(environ), pool)
+        assert isinstance(got, list) and got[0] == head and all(isinstance(x, str) for x in got), cls
+    mv = mn.MVAPICHRunner(args, world, pool).get_cmd(dict(environ), pool)
+    assert mv[:7] == ["mpirun", "-np", "8", "-ppn", "4", "--hostfile", mn.MVAPICH_TMP_HOSTFILE]
+    assert "MV2_SMP_USE_CMA=0" in mv
+    with open(mn.MVAPICH_TMP_HOSTFILE) as f:
+        assert f.read() == "worker-0\nworker-1\n"
+    # a runner built with an unreadable world info only fails when it must build a command
+    bad = mn.PDSHRunner(args, "not-base64")
+    bad.add_export("A", "1")
+    with pytest.raises(ResourceError, match="--world_info"):
+        bad.node_commands(dict(environ))
 
 
 def test_mpich_command(job):

@@ -100,7 +100,6 @@ def test_num_nodes_and_num_gpus():
     (dict(include="worker-0:"), ["slot ''"]),
     (dict(include="worker-0@@worker-1"), ["empty entry"]),
     (dict(include=":0"), ["has no host name"]),
-    (dict(exclude="worker-0@worker-1@worker-2@worker-3"), ["removes every slot"]),
     (dict(num_nodes=5), ["--num_nodes 5", "more nodes than the 4 available"]),
     (dict(num_nodes=0), ["--num_nodes must be a positive integer"]),
     (dict(num_gpus=0), ["--num_gpus must be a positive integer"]),
@@ -162,16 +161,37 @@ def test_runner_uses_hostfile(tmp_path):
     assert args.user_script == "train.py" and args.user_args == ["--x", "1"]
 
 
-def test_runner_cli_reports_errors_without_traceback(tmp_path, capsys):
+def _cli(monkeypatch, *argv):
+    """The `deepspeed` command: runner.main() reading sys.argv (errors printed, exit code 2)."""
+    monkeypatch.setattr("sys.argv", ["deepspeed", *argv])
+    return runner.main()
+
+
+def test_exclude_everything_is_empty_for_the_helper_and_an_error_for_the_launcher(tmp_path):
+    # DeepSpeed's parse_resource_filter returns {} when everything is excluded; launching on it
+    # is refused.
+    assert runner.parse_resource_filter({"worker-0": [0, 1]}, exclude_str="worker-0") == {}
+    path = _write(tmp_path, "a slots=2\nb slots=2\n")
+    with pytest.raises(ResourceError, match="removes every slot"):
+        runner.resolve_resources(runner.parse_args(["--hostfile", path, "--exclude", "a@b", "train.py"]))
+
+
+def test_runner_main_with_args_raises_like_deepspeed():
+    # DeepSpeed's runner.main(args=[...]) raises ValueError for contradictory requests
+    with pytest.raises(ValueError, match="cannot be combined with --include"):
+        runner.main(args="--num_nodes 1 -i localhost foo.py".split())
+
+
+def test_runner_cli_reports_errors_without_traceback(tmp_path, capsys, monkeypatch):
     path = _write(tmp_path, "a slots=2\na slots=2\n")
-    assert runner.main(["--hostfile", path, "train.py"]) == 2
+    assert _cli(monkeypatch, "--hostfile", path, "train.py") == 2
     err = capsys.readouterr().err
     assert err.startswith("deepspeed: error: ") and f"{path}:2:" in err and "Traceback" not in err
 
 
-def test_node_rank_without_no_ssh_is_rejected(tmp_path, capsys):
+def test_node_rank_without_no_ssh_is_rejected(tmp_path, capsys, monkeypatch):
     path = _write(tmp_path, "a slots=1\n")
-    assert runner.main(["--hostfile", path, "--node_rank", "0", "train.py"]) == 2
+    assert _cli(monkeypatch, "--hostfile", path, "--node_rank", "0", "train.py") == 2
     assert "--node_rank is only used with --no_ssh" in capsys.readouterr().err
 
 
@@ -217,5 +237,5 @@ def test_collect_exports_prefixes_and_file_vars():
 def test_missing_user_script_is_reported(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(hf, "DEFAULT_HOSTFILE", str(tmp_path / "absent"))
     monkeypatch.chdir(tmp_path)
-    assert runner.main(["no_such_train.py"]) == 2
+    assert _cli(monkeypatch, "no_such_train.py") == 2
     assert "user_script 'no_such_train.py' does not exist" in capsys.readouterr().err

@@ -23,6 +23,8 @@ that changes the package under test:
   from it (else from NUMA nodes, usually 1) and upstream's ``DistributedTest`` skips a world size
   larger than the device count. World sizes above it skip, as they do upstream on a smaller host.
 * ``DS_UNITTEST_TIMEOUT``: the harness's own worker timeout, set under the per-test timeout.
+* ``PATH`` starts with this interpreter's directory, so the tests that run the ``deepspeed``
+  command find the one installed with the package under test.
 
 Outcome per test: passed, failed, error (setup/teardown), hung, skipped. Each failure is also
 classified against ``KNOWN`` below (out of scope: needs CUDA or a compiled op, or belongs to a
@@ -257,6 +259,7 @@ def run_module(module: str, tests_dir: str, args, scratch: str) -> dict:
         DS_UNITTEST_TIMEOUT=str(max(30, args.test_timeout - 15)), CUDA_VISIBLE_DEVICES="",
         PYTHONPATH=os.pathsep.join([HERE] + ([os.path.dirname(OUR_PACKAGE)] if args.package_root else [])
                                    + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
+        PATH=os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")]),   # the `deepspeed` CLI
         HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
     )
     env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)
