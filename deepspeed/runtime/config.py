@@ -4,7 +4,7 @@ which integrations (Hugging Face, monitor examples) use. The code lives in
 
 The optimizer names are DeepSpeed's (lower-case, as ``engine.optimizer_name()``
 compares them); ``DEEPSPEED_OPTIMIZERS`` lists those this version builds itself
-(the 1-bit and MuP optimizers are not built: see ``UNAVAILABLE_OPTIMIZERS``). The
+(the MuP optimizers are not built: see ``UNAVAILABLE_OPTIMIZERS``). The
 parser accepts any capitalisation of these names (``deepspeed.runtime.optimizers``).
 """
 from ..config import (DeepSpeedConfig, DeepSpeedConfigError, DeepSpeedConfigModel,  # noqa: F401
@@ -25,9 +25,9 @@ ONEBIT_LAMB_OPTIMIZER = "onebitlamb"
 MUADAM_OPTIMIZER = "muadam"
 MUADAMW_OPTIMIZER = "muadamw"
 MUSGD_OPTIMIZER = "musgd"
-DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, LION_OPTIMIZER]
-UNAVAILABLE_OPTIMIZERS = [ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER, MUADAM_OPTIMIZER,
-                          MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER]
+DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, LION_OPTIMIZER,
+                        ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER]
+UNAVAILABLE_OPTIMIZERS = [MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER]
 
 # Adam's own option names in ``optimizer.params``
 TORCH_ADAM_PARAM = "torch_adam"

@@ -121,7 +121,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
             # With optimizer offload the update runs in host memory: the CPU kernels.
             offload = cfg.zero.offload_optimizer_device == "cpu"
             factory = lambda groups_: build_optimizer(opt_type, opt_params, groups_,  # noqa: E731
-                                                      cpu_offload=offload)
+                                                      cpu_offload=offload, dp_group=self.seq_data_parallel_group,
+                                                      zero_stage=cfg.zero_optimization_stage)
         ctx = StrategyContext(config=cfg, dp_group=self.seq_data_parallel_group,
                               dp_world_size=self.seq_dp_world_size, dp_rank=self.seq_dp_rank, mpu=mpu, device=self.device, timers=self.timers,
                               param_groups=_normalize_param_groups(model, model_parameters),

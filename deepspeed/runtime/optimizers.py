@@ -12,7 +12,8 @@
   ``Adagrad`` -> ``torch.optim.Adagrad`` / ``DeepSpeedCPUAdagrad`` (offload); ``SGD`` and
   any other ``torch.optim`` class by name, with PyTorch's fused or foreach kernels
   turned on unless the params choose.
-* ``OneBitAdam``, ``OneBitLamb``, ``ZeroOneAdam``: refused (not in this version).
+* ``OneBitAdam``, ``ZeroOneAdam``, ``OneBitLamb``: the communication-compressing optimizers of
+  ``runtime/fp16/onebit`` (ZeRO stage 0 only, at least 2 data-parallel ranks).
 
 Every error names the config key (``optimizer.type``, ``optimizer.params.<key>``).
 """
@@ -38,9 +39,10 @@ SGD_OPTIMIZER = "SGD"
 ONEBIT_ADAM_OPTIMIZER = "OneBitAdam"
 ONEBIT_LAMB_OPTIMIZER = "OneBitLamb"
 ZERO_ONE_ADAM_OPTIMIZER = "ZeroOneAdam"
+ONEBIT_OPTIMIZERS = [ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER]
 DEEPSPEED_OPTIMIZERS = [ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, LION_OPTIMIZER, ADAGRAD_OPTIMIZER,
-                        SGD_OPTIMIZER]
-UNAVAILABLE_OPTIMIZERS = [ONEBIT_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER]
+                        SGD_OPTIMIZER] + ONEBIT_OPTIMIZERS
+UNAVAILABLE_OPTIMIZERS = []
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad", "torch_adam", "adam_w_mode",
               "set_grad_none", "fp32_optimizer_states"}
@@ -176,6 +178,10 @@ def validate_optimizer_config(type_name: Any, params: Any) -> str:
     canonical type name.
     """
     name = resolve_optimizer_type(type_name)
+    if name in ONEBIT_OPTIMIZERS:  # needs a process group to build: keys and values only here
+        from .fp16.onebit.config import check_onebit_params
+        check_onebit_params(name, params)
+        return name
     check_optimizer_params(name, params)
     dummy = [torch.zeros(2, 2, requires_grad=True)]
     try:
@@ -248,12 +254,18 @@ def _build_adam(name: str, params: dict, groups: list, cpu_offload: bool) -> tor
     return FusedAdam(groups, adam_w_mode=adam_w_mode, **params)
 
 
-def build_optimizer(type_name: str, params: dict, model_parameters, *, cpu_offload: bool = False):
+def build_optimizer(type_name: str, params: dict, model_parameters, *, cpu_offload: bool = False,
+                    dp_group=None, zero_stage: int = 0):
     """The optimizer for config ``type_name``/``params`` over ``model_parameters``
     (tensors or param-group dicts). ``cpu_offload=True`` picks the CPU optimizers
-    DeepSpeed uses with ``offload_optimizer.device: cpu``."""
+    DeepSpeed uses with ``offload_optimizer.device: cpu``. ``dp_group``/``zero_stage``
+    matter to the 1-bit optimizers only (their communication group; stage 0 required)."""
     name = resolve_optimizer_type(type_name)
     params = dict(params or {})
+    if name in ONEBIT_OPTIMIZERS:
+        from .fp16.onebit.config import build_onebit
+        return build_onebit(name, params, _materialize(model_parameters), dp_group=dp_group,
+                            zero_stage=1 if cpu_offload else zero_stage)
     check_optimizer_params(name, params)
     groups = _materialize(model_parameters)
     if name in (ADAM_OPTIMIZER, ADAMW_OPTIMIZER):

@@ -87,9 +87,9 @@ def test_torch_optimizers_get_fused_or_foreach_kernels():
 @pytest.mark.parametrize("type_name, params, fragments", [
     ("Adma", {}, ["optimizer.type 'Adma' is not a known optimizer", "Did you mean 'Adam'"]),
     ("", {}, ["optimizer.type must be a non-empty string"]),
-    ("OneBitAdam", {}, ["OneBitAdam", "not available in this version"]),
-    ("ZeroOneAdam", {}, ["ZeroOneAdam", "not available in this version"]),
-    ("onebitlamb", {}, ["OneBitLamb", "not available in this version"]),
+    ("OneBitAdam", {"freeze_stp": 1}, ["optimizer.params.freeze_stp", "Did you mean 'freeze_step'"]),
+    ("ZeroOneAdam", {"var_freeze_step": 1.5}, ["optimizer.params.var_freeze_step", "non-negative integer"]),
+    ("onebitlamb", {"comm_backend_name": "hccl"}, ["optimizer.params.comm_backend_name", "'compressed'"]),
     ("Adam", {"lrr": 1e-3}, ["optimizer.params.lrr is not a parameter of optimizer 'Adam'", "Did you mean 'lr'"]),
     ("Lamb", {"max_coef": 1.0}, ["optimizer.params.max_coef", "Did you mean 'max_coeff'"]),
     ("Adam", {"lr": "auto"}, ["optimizer.params.lr = 'auto'", "non-negative number"]),

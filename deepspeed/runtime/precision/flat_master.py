@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ...config.errors import DeepSpeedConfigError
 from ...utils.logging import logger
+from ..comm.optimizer_hooks import gradient_allreduce_needed
 from ..strategy import StepOutcome, StrategyContext, TrainingStrategy
 from ..utils import clip_coef, is_model_parallel_parameter
 from ..zero.stage0 import comm_dtype as _comm_dtype
@@ -54,6 +55,7 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
     stage = 0
     partition_master = False     # stage 1/2: master and optimizer state split across ranks
     partition_grads = False      # stage 2: gradients split across ranks
+    _grads_local = False         # this window's gradients were not reduced (1-bit optimizers)
 
     def __init__(self, module: torch.nn.Module, ctx: StrategyContext):
         TrainingStrategy.__init__(self, module, ctx)
@@ -286,8 +288,10 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
     # reduced over their own group) can run one autograd pass for several strategies.
     def begin_backward(self, sync) -> bool:
         boundary = sync and self._sync_enabled
+        if boundary:  # 1-bit optimizers average (compressed) in their own step: gradients stay local
+            self._grads_local = self.world > 1 and not gradient_allreduce_needed(self.inner)
         if not self.partition_grads:
-            self.reducer.armed = boundary and self.world > 1
+            self.reducer.armed = boundary and self.world > 1 and not self._grads_local
         return boundary
 
     def end_backward(self, boundary) -> None:
@@ -343,6 +347,8 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
 
     def grad_norm_factor(self) -> float:
         """Multiplier from the norm of the summed, loss-scaled gradients to the true norm."""
+        if self._grads_local:
+            return 1.0 / self.scaler.cur_scale
         return self.predivide / self.average_over / self.scaler.cur_scale
 
     def finish_step(self, prep, flag, norm) -> StepOutcome:
@@ -351,7 +357,7 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         grads = staging
         if flag and self.skip_on_overflow:
             return self._skip_step()
-        post = self.predivide / self.average_over
+        post = 1.0 if self._grads_local else self.predivide / self.average_over
         scale = self.scaler.cur_scale
         mult = post / scale * (clip_coef(norm, self.clip) if self.clip > 0 else 1.0)
         if self._nvme is not None:   # sub-group by sub-group through the swapper, then all-gather

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from ... import comm as ds_comm
-
 from ..checkpoint.universal import (FragmentIndex, load_torch_optimizer, make_rank_state, optim_file_name,
                                     split_param_state)
+from ..comm.optimizer_hooks import load_rank_local_state, save_rank_local_state
 
 ZERO_TO_FP32_SCRIPT = '''#!/usr/bin/env python
 """Consolidate the ZeRO checkpoint in this directory into one fp32 state dict.
@@ -87,6 +87,8 @@ class FlatStateMixin:
         if self.partition_master or dp_rank == 0:   # unpartitioned state is identical on every rank
             writer.save(optim_file_name(dp_rank if self.partition_master else 0, mp_rank),
                         self._rank_state(dp_rank if self.partition_master else 0, mp_rank))
+        if self.inner is not None:
+            save_rank_local_state(self.inner, writer, dp_rank, mp_rank)   # 1-bit error buffers, per rank
 
     def write_checkpoint_extras(self, writer):
         writer.write_text("zero_to_fp32.py", ZERO_TO_FP32_SCRIPT)
@@ -103,6 +105,9 @@ class FlatStateMixin:
         # a reader may merge files itself (pipeline checkpoints: one set of files per stage)
         idx = reader.fragment_index(mp) if hasattr(reader, "fragment_index") else FragmentIndex(reader.path, mp_rank=mp)
         self._load_from_index(idx, load_optimizer_states)
+        if load_optimizer_states and hasattr(self.inner, "load_rank_local_state_dict"):
+            load_rank_local_state(self.inner, reader, self.rank, mp)   # 1-bit optimizers
+            self.refresh_module_params()
 
     def _load_from_index(self, idx: FragmentIndex, load_optimizer_states: bool) -> None:
         # a whole checkpoint must know every trainable parameter; one rank's own state, its fragments

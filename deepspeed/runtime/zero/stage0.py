@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ... import comm as ds_comm
+from ..comm.optimizer_hooks import gradient_allreduce_needed, load_rank_local_state, save_rank_local_state
 from ..strategy import StepOutcome, StrategyContext, TrainingStrategy
 from ..utils import clip_coef, global_grad_norm, scale_grads_
 
@@ -186,7 +187,8 @@ class DataParallelStrategy(TrainingStrategy):
         return sum(b.launches for b in self.bucketers)
 
     def backward(self, loss, *, sync, retain_graph=False):
-        reduce_now = sync and self._sync_enabled and self.ctx.dp_world_size > 1
+        reduce_now = sync and self._sync_enabled and self.ctx.dp_world_size > 1 \
+            and gradient_allreduce_needed(self.optimizer)   # 1-bit optimizers: compressed in their step
         for b in self.bucketers:
             b.armed = reduce_now and b.world_size > 1
         loss.backward(retain_graph=retain_graph)
@@ -218,6 +220,8 @@ class DataParallelStrategy(TrainingStrategy):
             from ..checkpoint.universal import optim_file_name, rank_state_from_torch_optimizer
             writer.save(optim_file_name(0, mp_rank), rank_state_from_torch_optimizer(
                 self.module, self.optimizer, zero_stage=0, dp_world_size=self.ctx.dp_world_size, mp_rank=mp_rank))
+        if self.optimizer is not None:
+            save_rank_local_state(self.optimizer, writer, dp_rank, mp_rank)   # 1-bit error buffers, per rank
 
     def load_optimizer_state(self, reader, load_optimizer_states=True):
         if not load_optimizer_states or self.optimizer is None:
@@ -228,6 +232,7 @@ class DataParallelStrategy(TrainingStrategy):
         idx = reader.fragment_index(mp_rank) if hasattr(reader, "fragment_index") else FragmentIndex(reader.path,
                                                                                                      mp_rank)
         load_torch_optimizer_from_index(self.module, self.optimizer, idx, f"loading '{reader.path}'")
+        load_rank_local_state(self.optimizer, reader, self.ctx.dp_rank, mp_rank)
 
     def destroy(self):
         for h in self._hooks:
