@@ -30,7 +30,6 @@ UNBUILT = {
     "deepspeed.autotuning": "the autotuner",
     "deepspeed.runtime.swap_tensor": "ZeRO-Infinity NVMe swapping",
     "deepspeed.nvme": "NVMe performance tools",
-    "deepspeed.sequence": "sequence parallelism (DeepSpeed-Ulysses)",
     "deepspeed.runtime.hybrid_engine": "the hybrid (RLHF) engine",
     "deepspeed.runtime.domino": "Domino tensor-parallel overlap",
     "deepspeed.compile": "DeepCompile",
