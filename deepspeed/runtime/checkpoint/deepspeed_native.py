@@ -37,18 +37,14 @@ import torch
 from .allowlist import SAFE_GLOBALS, _DynamicLossScaler, _FragmentAddress, _LossScaler, _ZeroStageEnum  # noqa: F401
 from .errors import CheckpointError
 from .io import load_file
+from .universal import register_rank_state_reader
 
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 # Keys DeepSpeed writes into a model-states file itself; every other top-level key is the
 # client_state the user passed to save_checkpoint (DeepSpeed merges it into the dict).
-DEEPSPEED_MODEL_STATE_KEYS = {
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-    "ds_version", "checkpoint_parallel_dimensions", "compression_training", "data_efficiency",
-}
+from .contents import DEEPSPEED_MODEL_STATE_KEYS, client_state_of  # noqa: E402,F401  (one list, in .contents)
 
 
 # ---------------------------------------------------------------- allow-listed stand-ins
@@ -62,12 +58,28 @@ def load_native(path: str, mmap: bool = False):
 
 # ---------------------------------------------------------------- detection
 def is_native_model_state(state) -> bool:
-    """A model-states dict written by DeepSpeed (not by this package)."""
+    """A model-states dict in DeepSpeed's layout (DeepSpeed's, or this package's since 0.19:
+    :func:`is_native_dir` tells them apart)."""
     return isinstance(state, dict) and "buffer_names" in state and "param_shapes" in state
 
 
+def _written_here(directory: str, names, state) -> bool:
+    """This package's checkpoints carry the fragments format in their optimizer files (or,
+    with none, the ``micro_steps`` key DeepSpeed never writes)."""
+    from .universal import FORMAT, unwrap_rank_state
+    optim = sorted(n for n in names if n.endswith("_optim_states.pt"))
+    if not optim:
+        return "micro_steps" in state
+    try:
+        st = load_file(os.path.join(directory, optim[0]), mmap=True, verify=False)
+    except Exception:  # noqa: BLE001 - not ours to judge here; the real load reports it
+        return False
+    st = unwrap_rank_state(st)
+    return isinstance(st, dict) and st.get("format") == FORMAT
+
+
 def is_native_dir(directory: str) -> bool:
-    """Whether a checkpoint tag directory was written by DeepSpeed."""
+    """Whether a checkpoint tag directory was written by DeepSpeed itself."""
     if not os.path.isdir(directory):
         return False
     names = os.listdir(directory)
@@ -75,15 +87,10 @@ def is_native_dir(directory: str) -> bool:
     if not model:
         return False
     try:
-        st = load_native(os.path.join(directory, sorted(model)[0]), mmap=True)
+        st = load_file(os.path.join(directory, sorted(model)[0]), mmap=True, verify=False)
     except Exception:  # noqa: BLE001 - not ours to judge here; the real load reports it
         return False
-    return is_native_model_state(st)
-
-
-def client_state_of(state: dict) -> dict:
-    """The client_state DeepSpeed merged into its model-states dict."""
-    return {k: v for k, v in state.items() if k not in DEEPSPEED_MODEL_STATE_KEYS}
+    return is_native_model_state(st) and not _written_here(directory, names, st)
 
 
 def _model_files(directory, mp_rank):
@@ -291,3 +298,11 @@ def full_module_state(directory: str, mp_rank: int = 0) -> Dict[str, torch.Tenso
             dtype = module[n].dtype if torch.is_tensor(module.get(n)) else torch.float32
             module[n] = idx.full(n, "fp32").to(dtype)
     return module
+
+
+def _rank_states_if_native(directory: str, mp_rank: int):
+    """The fragment index's reader for this layout: ``None`` for any other directory."""
+    return rank_states(directory, mp_rank) if is_native_dir(directory) else None
+
+
+register_rank_state_reader(_rank_states_if_native)

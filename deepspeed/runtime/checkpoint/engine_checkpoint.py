@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import numpy as np
 import torch
@@ -12,10 +13,15 @@ import torch.distributed as dist
 from ... import comm as ds_comm
 from ...utils.logging import logger
 from .errors import CheckpointAssertionError, CheckpointError
+from .contents import client_state_of, model_states, optim_states
 from .io import CheckpointReader, CheckpointWriter, read_latest_tag
+from .universal import FORMAT
 from .module_parts import merge_module_state, split_module_state
 from ..engine_features import checkpoint_state as feature_checkpoint_state
 from ..engine_features import load_checkpoint_state as load_feature_checkpoint_state
+
+
+_DENSE_OPTIM_RE = re.compile(r"(?:^|-)zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
 
 
 def model_states_name(mp_rank: int, dp_rank=None) -> str:
@@ -33,6 +39,25 @@ def find_model_states(reader, mp_rank: int) -> str:
             return name
     raise CheckpointError(f"'{reader.path}' has no model states file ({model_states_name(mp_rank)} or "
                           f"{model_states_name(mp_rank, 0)}): not a deepspeed checkpoint, or incomplete.")
+
+
+class _EngineWriter(CheckpointWriter):
+    """The engine's writer: optimizer files go out in DeepSpeed's envelope
+    (``{"optimizer_state_dict": ..., "ds_config": ..., "ds_version": ...}``, see
+    :mod:`.contents`) whichever strategy wrote them, and the parameter groups of this rank's
+    dense optimizer file are kept for the model-states file's ``param_shapes``."""
+
+    def __init__(self, save_dir: str, tag: str, engine):
+        super().__init__(save_dir, tag)
+        self._config, self._version = engine.config, engine.ds_version
+        self.zero_groups = None
+
+    def save(self, name: str, obj) -> None:
+        if name.endswith("_optim_states.pt") and isinstance(obj, dict) and obj.get("format") == FORMAT:
+            if self.zero_groups is None and _DENSE_OPTIM_RE.search(name):
+                self.zero_groups = [list(g["params"]) for g in obj["param_groups"]]
+            obj = optim_states(obj, self._config, self._version)
+        super().save(name, obj)
 
 
 def rng_states_name(rank: int) -> str:
@@ -79,9 +104,12 @@ def _barrier():
         dist.barrier()
 
 
-def _check_tag(tag: str, mode: str) -> None:
-    if mode == "Ignore" or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
+def _check_tag(tag: str, mode: str) -> str:
+    """The tag every rank saves under. Ranks passing different tags: ``Fail`` raises; ``Warn``
+    warns and ``Ignore`` does not, and both save under rank 0's tag (one complete checkpoint;
+    DeepSpeed would scatter each rank's files over its own tag directory)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tag
     tags = [None] * dist.get_world_size()
     dist.all_gather_object(tags, tag)
     if len(set(tags)) > 1:
@@ -89,21 +117,26 @@ def _check_tag(tag: str, mode: str) -> None:
                f"on every rank (checkpoint.tag_validation is '{mode}').")
         if mode == "Fail":  # DeepSpeed: assert valid, msg
             raise CheckpointAssertionError(msg)
-        logger.warning(msg)
+        if mode != "Ignore":
+            logger.warning(msg + f" Saving under rank 0's tag '{tags[0]}'.")
+    return tags[0]
 
 
 def begin_save(engine, save_dir: str, tag):
     """The first phase of a save, on every rank: the tag (default ``global_step<N>``)
     checked and validated across ranks, rank 0 preparing the temporary directory.
     Returns ``(tag, rank, writer)``; :func:`commit_or_abort` ends the save."""
+    if save_dir is None or not os.fspath(save_dir):   # on every rank, before any collective
+        raise ValueError(f"save_checkpoint: save_dir must be a directory path, got {save_dir!r}.")
+    save_dir = os.fspath(save_dir)
     if tag is None:
         tag = f"global_step{engine.global_steps}"
     tag = str(tag)
     if not tag or os.sep in tag or tag.startswith("."):
         raise CheckpointError(f"Invalid checkpoint tag {tag!r}: it must be a plain, non-empty directory name.")
-    _check_tag(tag, engine.config_obj.model.checkpoint.tag_validation)
+    tag = _check_tag(tag, engine.config_obj.model.checkpoint.tag_validation)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    writer = CheckpointWriter(save_dir, tag)
+    writer = _EngineWriter(save_dir, tag, engine)
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         writer.prepare()
@@ -123,27 +156,15 @@ def save_engine_checkpoint(engine, save_dir: str, tag=None, client_state=None, s
             frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
             module_sd = {k: v for k, v in module_sd.items() if k not in frozen}
         module_sd = split_module_state(engine, writer, module_sd)  # registered parts (MoE: per-expert files)
+        # the optimizer files first: the model-states file lists their parameter groups (param_shapes)
+        engine.strategy.save_optimizer_state(writer, dp_rank, mp_rank)
         stage3 = engine.zero_optimization_partition_weights()
         if dp_rank == 0 or stage3:
-            state = {
-                "module": module_sd,
-                "lr_scheduler": engine.lr_scheduler.state_dict()
-                if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict") else None,
-                "global_steps": engine.global_steps,
-                "global_samples": engine.global_samples,
-                "micro_steps": engine.micro_steps,
-                "skipped_steps": engine.skipped_steps,
-                "dp_world_size": engine.dp_world_size,
-                "mp_world_size": engine.mp_world_size,
-                "zero_stage": engine.zero_optimization_stage(),
-                "ds_config": engine.config,
-                "ds_version": engine.ds_version,
-                "client_state": dict(client_state or {}),
-            }
-            state.update(feature_checkpoint_state(engine))  # data_sampler, random_ltd, ... (engine_features)
+            state = model_states(engine, module_sd, client_state, zero_groups=writer.zero_groups,
+                                 exclude_frozen_parameters=exclude_frozen_parameters,
+                                 extra=feature_checkpoint_state(engine))  # data_sampler, random_ltd, ...
             writer.save(model_states_name(mp_rank, dp_rank if stage3 else None), state)
         writer.save(rng_states_name(rank), capture_rng_state())
-        engine.strategy.save_optimizer_state(writer, dp_rank, mp_rank)
     except Exception as err:  # noqa: BLE001 - report after telling the other ranks
         error = err
     commit_or_abort(engine, writer, rank, error, f"Saving checkpoint '{tag}'", save_latest,
@@ -203,15 +224,15 @@ def load_engine_checkpoint(engine, load_dir: str, tag=None, load_module_strict=T
     missing = {"module", "global_steps"} - set(state)
     if missing:
         raise CheckpointError(f"'{reader.path}' is not a deepspeed checkpoint: missing {sorted(missing)}.")
-    from .deepspeed_native import client_state_of, full_module_state, is_native_model_state
-    if is_native_model_state(state):  # written by DeepSpeed itself (its layout; see deepspeed_native)
-        state = dict(state, module=full_module_state(reader.path, engine.mp_rank),
-                     client_state=client_state_of(state))
+    client_state = client_state_of(state)  # top-level keys that are not deepspeed's (older ours: nested)
+    from .deepspeed_native import full_module_state, is_native_dir
+    if is_native_dir(reader.path):  # written by DeepSpeed itself (its layout; see deepspeed_native)
+        state = dict(state, module=full_module_state(reader.path, engine.mp_rank))
     module_sd = merge_module_state(engine, reader, state["module"])  # registered parts (MoE: this rank's experts)
     engine._load_module_weights(module_sd, strict=load_module_strict, custom_load_fn=custom_load_fn)
     if load_module_only:
         engine.strategy.after_module_load()
-        return reader.path, state.get("client_state", {})
+        return reader.path, client_state
     if load_optimizer_states:
         engine.strategy.load_optimizer_state(reader, load_optimizer_states=True)
     else:
@@ -229,4 +250,4 @@ def load_engine_checkpoint(engine, load_dir: str, tag=None, load_module_strict=T
     else:
         logger.warning(f"No RNG state for rank {rank} in '{reader.path}' (saved at another world size); "
                        f"RNG streams continue from their current state.")
-    return reader.path, state.get("client_state", {})
+    return reader.path, client_state

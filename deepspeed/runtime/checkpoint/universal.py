@@ -185,7 +185,36 @@ def _check_listed(directory: str, mp_rank: int) -> None:
 def _load(path: str):
     """One rank file, memory-mapped, through the package's one verified weights-only reader."""
     from .io import load_file
-    return load_file(path, mmap=True)
+    return unwrap_rank_state(load_file(path, mmap=True))
+
+
+def unwrap_rank_state(obj):
+    """The rank state of an optimizer file: inside DeepSpeed's envelope
+    (``obj["optimizer_state_dict"]``, see :mod:`.contents`) since 0.19, the whole file before."""
+    inner = obj.get("optimizer_state_dict") if isinstance(obj, dict) else None
+    return inner if isinstance(inner, dict) and inner.get("format") == FORMAT else obj
+
+
+# Readers of tag directories written in another layout, each ``reader(directory, mp_rank)``
+# returning that directory's optimizer state as rank states in this format, or ``None`` when
+# the directory is not in its layout. DeepSpeed's own layout (:mod:`.deepspeed_native`)
+# registers itself when ``deepspeed.runtime.checkpoint`` is imported, so this index reads
+# DeepSpeed's checkpoints without this file depending on the converter.
+_FOREIGN_READERS: List = []
+
+
+def register_rank_state_reader(reader) -> None:
+    """Add a reader of another checkpoint layout (see ``_FOREIGN_READERS``); once only."""
+    if reader not in _FOREIGN_READERS:
+        _FOREIGN_READERS.append(reader)
+
+
+def _foreign_rank_states(directory: str, mp_rank: int) -> Optional[List[dict]]:
+    for reader in _FOREIGN_READERS:
+        states = reader(directory, mp_rank)
+        if states is not None:
+            return states
+    return None
 
 
 class FragmentIndex:
@@ -203,10 +232,8 @@ class FragmentIndex:
         parameter; reading a range no fragment holds is still an error."""
         self.directory = directory
         self.complete = complete
-        if states is None:
-            from .deepspeed_native import is_native_dir, rank_states
-            if is_native_dir(directory):   # written by DeepSpeed itself: convert its flat partitions
-                states = rank_states(directory, mp_rank)
+        if states is None:   # another layout (DeepSpeed's own files): its registered reader converts it
+            states = _foreign_rank_states(directory, mp_rank)
         if states is None:
             paths = list_rank_files(directory, mp_rank)
             if not paths:

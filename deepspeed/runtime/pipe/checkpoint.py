@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ...utils.logging import logger
 from ..checkpoint.engine_checkpoint import (begin_save, capture_rng_state, commit_or_abort, model_states_name,
                                             restore_rng_state, rng_states_name)
+from ..checkpoint.contents import client_state_of, model_states
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.io import CheckpointReader, read_latest_tag
 from ..checkpoint.universal import FragmentIndex, _load
@@ -75,18 +76,14 @@ def save_pipeline_checkpoint(engine, save_dir, tag=None, client_state=None, save
         module.save_state_dict(writer.path, exclude_frozen_params=exclude_frozen_parameters)
         mp = grid.model_parallel_id
         if grid.stage_id == 0 and grid.data_parallel_id == 0:
-            writer.save(model_states_name(mp), {
-                "module": None,
-                "lr_scheduler": engine.lr_scheduler.state_dict()
-                if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict") else None,
-                "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-                "dp_world_size": grid.data_parallel_size, "mp_world_size": grid.model_parallel_size,
-                "pipeline": {"num_stages": grid.pipe_parallel_size, "parts": list(module.parts),
-                             "num_layers": module._num_layers},
-                "zero_stage": engine.zero_optimization_stage(), "ds_config": engine.config,
-                "ds_version": engine.ds_version, "client_state": dict(client_state or {}),
-            })
+            pipeline = {"num_stages": grid.pipe_parallel_size, "parts": list(module.parts),
+                        "num_layers": module._num_layers}
+            writer.save(model_states_name(mp), model_states(
+                engine, None, client_state, exclude_frozen_parameters=exclude_frozen_parameters,
+                extra={"pipeline": pipeline, "dp_world_size": grid.data_parallel_size,
+                       "mp_world_size": grid.model_parallel_size,
+                       "checkpoint_parallel_dimensions": {"pp_degree": grid.pipe_parallel_size,
+                                                          "tp_degree": grid.model_parallel_size}}))
         writer.save(rng_states_name(rank), capture_rng_state())
         engine.strategy.save_optimizer_state(_StageWriter(writer, grid.stage_id, _not_owned_tied_names(module)),
                                              grid.data_parallel_id, mp)
@@ -161,7 +158,7 @@ def load_pipeline_checkpoint(engine, load_dir, tag=None, load_module_strict=True
         engine.strategy.after_module_load()
         engine.module.synchronize_tied_weights()
         if load_module_only:
-            return reader.path, state.get("client_state", {})
+            return reader.path, client_state_of(state)
     else:
         engine.strategy.load_optimizer_state(reader, load_optimizer_states=True)
         engine.module.synchronize_tied_weights()
@@ -174,7 +171,7 @@ def load_pipeline_checkpoint(engine, load_dir, tag=None, load_module_strict=True
     rank = dist.get_rank()
     if reader.exists(rng_states_name(rank)):
         restore_rng_state(reader.load(rng_states_name(rank)))
-    return reader.path, state.get("client_state", {})
+    return reader.path, client_state_of(state)
 
 
 def get_fp32_state_dict_from_pipeline_checkpoint(path: str, mp_rank: int = 0) -> Dict[str, torch.Tensor]:

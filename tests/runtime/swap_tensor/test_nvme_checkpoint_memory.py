@@ -184,6 +184,15 @@ def _walk(a, b, path=""):
     return 0
 
 
+def _tensor_bytes(path):
+    """Bytes of the tensor storages a torch.save file holds (its zip's ``data/`` records): equal
+    for two files exactly when neither pickled a storage larger than its tensor (the files'
+    ds_config, which names the offload device, may differ in length)."""
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        return sum(i.file_size for i in z.infolist() if "/data/" in i.filename)
+
+
 def _optim_files(folder):
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith("_optim_states.pt"))
 
@@ -240,13 +249,15 @@ def test_nvme_checkpoint_files_equal_the_in_memory_ones(tmp_path):
     for ref, got in pairs:
         assert len(ref) == len(got) == 1
         a, b = torch.load(ref[0], weights_only=True), torch.load(got[0], weights_only=True)
-        assert _walk(a, b) > 10
-        assert os.path.getsize(ref[0]) == os.path.getsize(got[0])
+        # the fragments inside DeepSpeed's envelope (whose ds_config differs: the offload section)
+        assert _walk(a["optimizer_state_dict"], b["optimizer_state_dict"]) > 10
+        assert _tensor_bytes(ref[0]) == _tensor_bytes(got[0])
     # stage 3 without offload: the same structure (values are those of another update order)
     a = torch.load(out["s3"]["none"][0], weights_only=True)
     b = torch.load(out["s3"]["nvme"][0], weights_only=True)
+    a, b = a["optimizer_state_dict"], b["optimizer_state_dict"]   # DeepSpeed's envelope around the fragments
     assert list(a["params"]) == list(b["params"])
-    assert os.path.getsize(out["s3"]["none"][0]) == os.path.getsize(out["s3"]["nvme"][0])
+    assert _tensor_bytes(out["s3"]["none"][0]) == _tensor_bytes(out["s3"]["nvme"][0])
 
 
 # ------------------------------------------------------------------ the swapper pieces (in process)
