@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ...utils.logging import logger
 from ..engine_features import EngineFeature, register_feature
+from .constants import RANDOM_LTD_SAMPLE_INDEX
 from .curriculum_scheduler import CurriculumScheduler
 from .data_routing.basic_layer import RandomLayerTokenDrop
 from .data_routing.scheduler import RandomLTDScheduler
@@ -104,6 +105,7 @@ class RandomLTD(EngineFeature):
 
     def forward_kwargs(self, engine, kwargs):
         self.scheduler.update_seq(engine.global_steps)
+        self.scheduler.state[RANDOM_LTD_SAMPLE_INDEX] = None  # each forward draws its own kept tokens
 
     def initialize_layers(self, engine) -> None:
         layers = [m for m in engine.module.modules() if isinstance(m, RandomLayerTokenDrop)]

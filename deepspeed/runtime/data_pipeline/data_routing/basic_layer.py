@@ -62,12 +62,16 @@ class RandomLayerTokenDrop(Module):
             return self.random_ltd_layer(hidden_states, **kwargs)
         state = self.random_ltd_scheduler.state
         mask = kwargs.get(self.mask_name) if self.mask_name is not None else None
-        if self.random_ltd_layer_id == 0:  # the first layer draws the kept tokens for all of them
+        idx = state.get(RANDOM_LTD_SAMPLE_INDEX)
+        fresh = idx is None or tuple(idx.shape[1:]) != (self.curr_micro_batch, self.reserved_length)
+        if self.random_ltd_layer_id == 0 or fresh:
+            # the first layer draws the kept tokens of every random-LTD layer for this forward (a later
+            # layer draws them when the first was skipped, e.g. by progressive layer drop)
             idx, part_mask = self.index_generator(self.reserved_length, self.curr_seq, self.curr_micro_batch,
                                                   self.random_ltd_num_layer, hidden_states.device, mask)
             state[RANDOM_LTD_SAMPLE_INDEX], state[RANDOM_LTD_ATTENTION_MASK] = idx, part_mask
         else:
-            idx, part_mask = state[RANDOM_LTD_SAMPLE_INDEX], state[RANDOM_LTD_ATTENTION_MASK]
+            part_mask = state[RANDOM_LTD_ATTENTION_MASK]
         layer_idx = idx[self.random_ltd_layer_id]
         hidden_states, part = GatherTokens.apply(hidden_states, layer_idx, self.batch_first)
         if self.mask_name is not None and part_mask is not None:

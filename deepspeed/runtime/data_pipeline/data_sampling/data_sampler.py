@@ -149,9 +149,10 @@ class DeepSpeedDataSampler:
     def get_sample_based_on_metric_percentile(self, metric, percentile_start, percentile_end) -> np.ndarray:
         rows = self.index_to_sample[metric]
         flat = np.concatenate([np.asarray(rows[r], dtype=np.int64) for r in range(len(rows))])
-        per = len(flat) // self.max_difficulty[metric]
-        start = per * percentile_start
-        end = len(flat) if percentile_end >= self.max_difficulty[metric] else per * percentile_end
+        # the p-th percentile ends after len * p / max_difficulty samples (rounded down)
+        top = self.max_difficulty[metric]
+        start = len(flat) * max(0, int(percentile_start)) // top
+        end = len(flat) if percentile_end >= top else len(flat) * int(percentile_end) // top
         return flat[start:end]
 
     def _admissible(self, metric, lo, hi) -> np.ndarray:
@@ -193,8 +194,8 @@ class DeepSpeedDataSampler:
         cluster, out = self.data_clusters[cidx], []
         while num_samples > 0:
             pos = self.data_cluster_current_position[cidx]
-            if pos >= len(cluster):
-                self.np_rng.shuffle(cluster)
+            if pos >= len(cluster):  # exhausted: a new order (a new array: saved states keep theirs)
+                cluster = self.data_clusters[cidx] = self.np_rng.permutation(cluster)
                 pos = 0
             take = cluster[pos:pos + num_samples]
             out.extend(int(x) for x in take)
