@@ -124,11 +124,20 @@ def load_config_source(source: Union[str, os.PathLike, dict, None]) -> dict:
             raise DeepSpeedConfigError(f"DeepSpeed config file '{path}' does not exist.")
         with open(path, "r", encoding="utf-8") as f:
             text = f.read()
+
+        def no_duplicates(pairs):   # DeepSpeed refuses a key given twice (json would keep the last)
+            seen = [k for i, (k, _) in enumerate(pairs) if k in {k2 for k2, _ in pairs[:i]}]
+            if seen:
+                raise DeepSpeedConfigError(f"DeepSpeed config file '{path}' gives the key(s) {sorted(set(seen))} more "
+                                           f"than once in the same object; keep one of each.")
+            return dict(pairs)
         try:
-            return json.loads(text)
+            return json.loads(text, object_pairs_hook=no_duplicates)
         except json.JSONDecodeError:
             try:
-                data = hjson.loads(text)
+                data = hjson.loads(text, object_pairs_hook=no_duplicates)
+            except DeepSpeedConfigError:
+                raise
             except Exception as err:  # hjson raises its own HjsonDecodeError
                 raise DeepSpeedConfigError(
                     f"DeepSpeed config file '{path}' is neither valid JSON nor hjson: {err}") from None

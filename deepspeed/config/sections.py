@@ -78,7 +78,7 @@ class ZeroSection(DSConfigModel):
     use_multi_rank_bucket_allreduce: bool = True
     allgather_partitions: bool = True
     allgather_bucket_size: int = Field(500_000_000, ge=1)
-    overlap_comm: Optional[bool] = None  # None (unset): on, at every stage (see ``overlap``)
+    overlap_comm: Optional[bool] = None  # unset: DeepSpeed's per-stage default (see the validator and ``overlap``)
     load_from_fp32_weights: bool = True
     elastic_checkpoint: bool = False
     offload_param: Optional[OffloadParamSection] = None
@@ -111,14 +111,24 @@ class ZeroSection(DSConfigModel):
     log_trace_cache_warnings: bool = False
     grad_hooks: bool = True
 
+    @classmethod
+    def _section_class(cls, name: str):
+        """The model class a field holds (a subclass may declare DeepSpeed's own, e.g.
+        ``DeepSpeedZeroOffloadOptimizerConfig``): ``Optional[X]`` -> ``X``."""
+        import typing
+        ann = cls.model_fields[name].annotation
+        return next((a for a in typing.get_args(ann) if isinstance(a, type) and a is not type(None)), ann)
+
     @model_validator(mode="after")
     def _legacy_spellings(self):
+        if self.overlap_comm is None:   # DeepSpeed's default: on at stage 3 only (see ``overlap``)
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+        pin = bool(self.cpu_offload_use_pin_memory)
         if self.cpu_offload and (self.offload_optimizer is None or self.offload_optimizer.device == "none"):
             object.__setattr__(self, "offload_optimizer",
-                               OffloadOptimizerSection(device="cpu", pin_memory=bool(self.cpu_offload_use_pin_memory)))
+                               self._section_class("offload_optimizer")(device="cpu", pin_memory=pin))
         if self.cpu_offload_param and (self.offload_param is None or self.offload_param.device == "none"):
-            object.__setattr__(self, "offload_param",
-                               OffloadParamSection(device="cpu", pin_memory=bool(self.cpu_offload_use_pin_memory)))
+            object.__setattr__(self, "offload_param", self._section_class("offload_param")(device="cpu", pin_memory=pin))
         if self.stage3_gather_fp16_weights_on_model_save is not None:
             object.__setattr__(self, "gather_16bit_weights_on_model_save",
                                bool(self.stage3_gather_fp16_weights_on_model_save))
@@ -126,8 +136,10 @@ class ZeroSection(DSConfigModel):
 
     @property
     def overlap(self) -> bool:
-        """``overlap_comm`` as the engine applies it: on unless the config sets it false."""
-        return self.overlap_comm is not False
+        """``overlap_comm`` as the engine applies it: on unless the config sets it false. (The
+        field itself reports DeepSpeed's default when unset, false below stage 3; our stages
+        overlap anyway: the numerics are the same, only the timing differs.)"""
+        return self.overlap_comm if "overlap_comm" in self.model_fields_set else True
 
     def reduce_bucket_size_or(self, default: int) -> int:
         """``reduce_bucket_size`` when the config sets it, else ``default``: DeepSpeed's 5e8

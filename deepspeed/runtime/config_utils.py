@@ -18,7 +18,7 @@ from functools import reduce
 from typing import Any
 
 from ..config.base import DSConfigModel
-from ..config.errors import DeepSpeedConfigError
+from ..config.errors import DeepSpeedConfigAssertionError, DeepSpeedConfigError
 from ..utils.logging import logger
 
 
@@ -46,7 +46,9 @@ class DeepSpeedConfigModel(DSConfigModel):
             return
         head, _, leaf = new_param.rpartition(".")
         if new_param.split(".")[0] in self.model_fields_set:
-            raise DeepSpeedConfigError(f"'{name}' is deprecated and '{new_param}' replaces it; set only one of them.")
+            # DeepSpeed asserts here: an AssertionError that is also our DeepSpeedConfigError
+            raise DeepSpeedConfigAssertionError(
+                f"'{name}' is deprecated and '{new_param}' replaces it; set only one of them.")
         target = reduce(getattr, head.split("."), self) if head else self
         fn = extra.get("new_param_fn", lambda x: x)
         setattr(target, leaf, fn(value))
