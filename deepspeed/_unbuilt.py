@@ -25,7 +25,6 @@ UNBUILT = {
     "deepspeed.inference": "the inference engine (deepspeed.init_inference)",
     "deepspeed.module_inject": "kernel injection for inference",
     "deepspeed.model_implementations": "the inference model implementations",
-    "deepspeed.compression": "compression (quantization-aware training, pruning)",
     "deepspeed.elasticity": "elastic training",
     "deepspeed.autotuning": "the autotuner",
     "deepspeed.runtime.swap_tensor": "ZeRO-Infinity NVMe swapping",

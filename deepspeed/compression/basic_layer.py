@@ -113,8 +113,10 @@ class _WeightQuantMixin:
             w.copy_(q.to(w.dtype))
 
     def fix_weight_quantization(self):
-        """Bake the quantized values into the weight (at the current bits)."""
-        if self.weight_quantize_bits is not None:
+        """Bake the quantized values into the weight (at the current bits). With quantization
+        in the optimizer step the weight already holds them (quantized after the last step;
+        re-quantizing could move an asymmetric grid)."""
+        if self.weight_quantize_bits is not None and self.weight_quantization_enabled_in_forward:
             with torch.no_grad():
                 self.weight.data.copy_(quantize(self.weight.data.float(), self.weight_quantize_bits,
                                                 self.weight_quantization_type,

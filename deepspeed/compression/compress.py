@@ -98,7 +98,7 @@ def get_compress_methods(model, compress_methods, mpu=None):
                     per.append(rnames)
                 related_lists.append(per)
             if any(module_lists):
-                params = {**group[DIFFERENT_GROUPS_PARAMETERS], **shared}
+                params = {**shared, **group[DIFFERENT_GROUPS_PARAMETERS]}  # the group's dense_ratio wins
                 out.append([module_lists, related_lists, {technique: params}])
     return out
 

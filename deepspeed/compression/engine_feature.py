@@ -1,12 +1,12 @@
 """The engine's compression hook: one :class:`~deepspeed.runtime.engine_features.EngineFeature`.
 
 When ``compression_training`` is on and the model was prepared by ``init_compression``,
-the engine gets ``engine.compression_scheduler``; a forward pre-hook on the model sets the
-scheduler to the engine's count of applied optimizer steps (``global_steps -
-skipped_steps``) whenever that count has moved, so the state a forward sees is the one
-DeepSpeed's engine reaches by stepping the scheduler after each applied step, in
-training, in evaluation, and after a checkpoint is loaded (the count is in the
-checkpoint; masks, scores and activation ranges are in the module's state dict).
+the engine gets ``engine.compression_scheduler``. After each optimizer step
+(``EngineFeature.after_step``) the scheduler is set to the engine's count of applied
+optimizer steps (``global_steps - skipped_steps``), as DeepSpeed's engine steps it after
+each applied step; a forward pre-hook on the model does the same whenever that count has
+moved without a step, i.e. after a checkpoint is loaded (the count is in the checkpoint;
+masks, scores and activation ranges are in the module's state dict).
 
 Refused, with the reason: ZeRO stage 3 (parameters are partitioned, while masks, scores,
 in-place quantization and ``redundancy_clean`` need whole weights); and weight
@@ -46,8 +46,11 @@ class CompressionFeature(EngineFeature):
             self.scheduler.set_step(n)
             self._synced = True
 
+    def after_step(self, engine) -> None:
+        self.sync()  # DeepSpeed steps the scheduler right after each applied optimizer step
+
     def _pre_forward(self, module, args):
-        self.sync()
+        self.sync()  # cheap when nothing moved; catches a loaded checkpoint's step count
 
 
 def _check_supported(engine, section) -> None:

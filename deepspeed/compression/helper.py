@@ -113,8 +113,9 @@ def _compress_copy(old, mpu=None):
         for b in ("running_mean", "running_var", "num_batches_tracked"):
             setattr(new, b, getattr(old, b))
     elif isinstance(old, nn.Embedding):
+        # _weight: no initialisation (normal_ on the meta device would pull in torch's compiler)
         new = Embedding_Compress(old.num_embeddings, old.embedding_dim, old.padding_idx, old.max_norm, old.norm_type,
-                                 old.scale_grad_by_freq, old.sparse, device="meta")
+                                 old.scale_grad_by_freq, old.sparse, _weight=old.weight.detach())
     elif mpu is not None and isinstance(old, _mpu_types(mpu)):
         if isinstance(old, getattr(mpu, "ColumnParallelLinear", ())):
             new = ColumnParallelLinear_Compress(mpu, old.input_size, old.output_size, bias=old.bias is not None,

@@ -21,7 +21,6 @@ from .errors import DeepSpeedConfigError, FeatureNotAvailableError
 
 # key -> feature name.
 UNBUILT_FEATURES: dict[str, str] = {
-    "compression_training": "compression training",
     "elasticity": "elastic training",
     "autotuning": "the autotuner",
     "quantize_training": "quantization-aware training",

@@ -306,6 +306,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
             self.strategy.zero_grad(set_to_none=True)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            if self._features:  # compression's scheduler steps after the optimizer step
+                self._features.after_step(self)
             self.tput_timer.stop(global_step=True)
             self._maybe_log()
         self.micro_steps += 1

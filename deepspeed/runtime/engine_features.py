@@ -68,6 +68,12 @@ class EngineFeature:
         """At the accumulation boundary, before the optimizer step; ``engine.global_steps``
         still counts the completed steps (DeepSpeed's order)."""
 
+    def after_step(self, engine) -> None:
+        """At the accumulation boundary, after the optimizer step (applied or skipped) and
+        the counters' update: ``engine.global_steps`` includes this step,
+        ``engine.skipped_steps`` says whether it was skipped (compression steps its
+        scheduler here, as DeepSpeed does after each applied step)."""
+
     def batch_sampler(self, engine, dataset):
         """A batch sampler for the training data loader, or ``None``."""
         return None
@@ -103,6 +109,10 @@ class FeatureSet:
     def on_boundary(self, engine) -> None:
         for f in self.features:
             f.on_boundary(engine)
+
+    def after_step(self, engine) -> None:
+        for f in self.features:
+            f.after_step(engine)
 
     def batch_sampler(self, engine, dataset):
         samplers = [s for s in (f.batch_sampler(engine, dataset) for f in self.features) if s is not None]

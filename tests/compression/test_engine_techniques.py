@@ -1,0 +1,131 @@
+"""Each technique through the engine on a small BERT-like model: the loss stays within a
+stated margin of the uncompressed run; ZeRO stages 0-2; data parallelism keeps the
+pruning masks identical on every rank. Exhaustive, so ``slow`` (``make test-all``)."""
+import pytest
+import torch
+
+import deepspeed
+from deepspeed.compression import init_compression, redundancy_clean
+from tests.compression.models import BertClassifier, bert_batches
+from tests.helpers.dist import run_distributed
+
+pytestmark = pytest.mark.slow
+
+STEPS = 30
+#: mean loss over the last 5 steps may exceed the uncompressed run's by at most this much
+MARGIN = 0.12
+
+
+def _group(params, modules, related=None):
+    g = {"params": params, "modules": modules}
+    if related is not None:
+        g["related_modules"] = related
+    return {"g": g}
+
+
+TECHNIQUES = {
+    "weight_quantization": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 5},
+        "different_groups": _group({"start_bits": 8, "target_bits": 4, "quantization_period": 4},
+                                   ["attention.self", "attention.output", "intermediate",
+                                    "layer.\\d+.output.dense"])}},
+    "weight_quantization_asym_moq": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": False, "schedule_offset": 5,
+                              "quantization_type": "asymmetric", "quantize_groups": 2},
+        "different_groups": _group({"start_bits": 8, "target_bits": 6, "quantization_period": 4},
+                                   ["intermediate"])}},
+    "activation_quantization": {"activation_quantization": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 5, "range_calibration": "static"},
+        "different_groups": _group({"bits": 8}, ["attention.self", "intermediate", "layer.\\d+.output.dense"])}},
+    "sparse_l1": {"sparse_pruning": {
+        "shared_parameters": {"enabled": True, "method": "l1", "schedule_offset": 5},
+        "different_groups": _group({"dense_ratio": 0.5}, ["attention.self", "intermediate"])}},
+    "sparse_topk": {"sparse_pruning": {
+        "shared_parameters": {"enabled": True, "method": "topk", "schedule_offset": 5},
+        "different_groups": _group({"dense_ratio": 0.5}, ["attention.self", "intermediate"])}},
+    "sparse_snip_2in4": {"sparse_pruning": {
+        "shared_parameters": {"enabled": True, "method": "snip_momentum", "block_pattern": "2:4",
+                              "schedule_offset": 5, "schedule_offset_end": 15, "schedule_offset_stride": 5,
+                              "excluded_modules": ["classifier"]},
+        "different_groups": {}}},
+    "row_pruning": {"row_pruning": {
+        "shared_parameters": {"enabled": True, "method": "l1", "schedule_offset": 5},
+        "different_groups": _group({"dense_ratio": 0.5}, ["intermediate.dense"], [["layer.\\w+.output.dense"]])}},
+    "head_pruning": {"head_pruning": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 5, "num_heads": 4},
+        "different_groups": _group({"dense_ratio": 0.5}, ["attention.output.dense"],
+                                   [["self.query", "self.key", "self.value"]])}},
+}
+
+
+def _train(compression, stage=0, bf16=False, seed=0):
+    cfg = {"train_batch_size": 16, "steps_per_print": 0, "gradient_clipping": 0.0,
+           "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "zero_optimization": {"stage": stage}}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if compression:
+        cfg["compression_training"] = compression
+    torch.manual_seed(seed)
+    model = BertClassifier()
+    if compression:
+        init_compression(model, cfg)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    losses = []
+    for x, y in bert_batches(STEPS):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return engine, losses, cfg
+
+
+@pytest.fixture(scope="module")
+def reference_losses():
+    return _train(None)[1]
+
+
+@pytest.mark.parametrize("name", list(TECHNIQUES))
+def test_each_technique_stays_near_the_uncompressed_run(name, reference_losses):
+    engine, losses, cfg = _train(TECHNIQUES[name], stage=1 if "moq" in name else 0)
+    tail, ref_tail = sum(losses[-5:]) / 5, sum(reference_losses[-5:]) / 5
+    assert tail < sum(losses[:3]) / 3 - 0.1, losses
+    assert tail - ref_tail < MARGIN, (name, losses, reference_losses)
+    # and the cleaned model computes what the trained, masked model computes
+    x, _ = bert_batches(1, seed=9)[0]
+    engine.eval()
+    masked = engine(x).detach()
+    redundancy_clean(engine.module, cfg)
+    torch.testing.assert_close(engine.module(x), masked, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("stage,bf16", [(0, True), (1, False), (2, False), (2, True)])
+def test_zero_stages(stage, bf16):
+    comp = dict(TECHNIQUES["row_pruning"], **TECHNIQUES["weight_quantization_asym_moq"])
+    engine, losses, _ = _train(comp, stage=stage, bf16=bf16)
+    assert sum(losses[-5:]) / 5 < sum(losses[:3]) / 3 - 0.1, losses
+    assert engine.compression_scheduler.training_steps == STEPS
+
+
+def _dp_snip_body(rank, world_size):
+    comp = TECHNIQUES["sparse_snip_2in4"]
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "steps_per_print": 0,
+           "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 2},
+           "compression_training": comp}
+    torch.manual_seed(0)
+    model = BertClassifier()
+    init_compression(model, cfg)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    for x, y in bert_batches(16, batch=8, seed=10 + rank):  # each rank its own data: local scores differ
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    return {n: b.clone() for n, b in engine.module.named_buffers() if n.endswith("sparse_pruning_mask")}
+
+
+def test_data_parallel_ranks_prune_the_same_weights():
+    masks = run_distributed(_dp_snip_body, world_size=2, timeout=240)
+    assert masks[0].keys() == masks[1].keys() and masks[0]
+    for n in masks[0]:
+        assert torch.equal(masks[0][n], masks[1][n]), n
+        m = masks[0][n].reshape(masks[0][n].size(0), -1, 4)
+        assert torch.all(m.sum(-1) == 2), n  # 2:4 everywhere
