@@ -105,8 +105,10 @@ class DataCurriculumLearning(DSConfigModel):
             raise ValueError(f"{where} needs at least one entry in 'curriculum_metrics'")
         for name, metric in self.curriculum_metrics.items():
             mwhere = f"{where}.curriculum_metrics.{name}"
-            _require(metric, ["index_to_sample_path", "index_to_metric_path", "difficulty_type",
-                              "clustering_type"], mwhere)
+            _require(metric, ["difficulty_type", "clustering_type"], mwhere)
+            if metric.clustering_type != "single_cluster":  # a single cluster holds every sample: no index
+                _require(metric, ["index_to_sample_path"]
+                         + (["index_to_metric_path"] if metric.difficulty_type == "value" else []), mwhere)
             _check_difficulty_range(metric, mwhere)
             check_schedule(metric.schedule_type, metric.schedule_config, mwhere)
         return self
