@@ -26,6 +26,7 @@ any backend that has ``all_to_all_single`` and ``all_gather_into_tensor``.
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 from typing import Optional
 
@@ -35,6 +36,14 @@ import torch.distributed as dist
 from ... import comm as ds_comm
 
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
+# Eight 0/1 bytes read as one little-endian int64 times _GATHER: the top byte holds them as
+# bits, first byte in the most significant bit (every partial product lands on its own bit,
+# so nothing carries). One packed byte times _SPREAD puts bit 7-k at bit 8k+7 (byte k), the
+# inverse. Products wrap modulo 2**64, as integer multiplication does on CPU and GPU.
+_GATHER = sum(1 << (63 - 9 * k) for k in range(8)) - (1 << 64)
+_SPREAD = sum(1 << (9 * k) for k in range(8)) - (1 << 64)
+_LOW_BITS = 0x0101010101010101
+_LITTLE = sys.byteorder == "little"
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -43,20 +52,33 @@ def padded_numel(numel: int, world_size: int) -> int:
     return ((numel + unit - 1) // unit) * unit
 
 
+def signs_of(x: torch.Tensor) -> torch.Tensor:
+    """+1 where ``x >= 0`` (zero included, as DeepSpeed), -1 elsewhere; fp32."""
+    return x.ge(0).to(torch.float32).mul_(2).sub_(1)
+
+
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """Signs of ``x`` (``x >= 0`` -> bit 1) packed 8 per byte, first element in the most
     significant bit (``numpy.packbits`` order). ``x.numel()`` must be a multiple of 8."""
     n = x.numel()
     if n % 8:
         raise ValueError(f"pack_signs: numel {n} is not a multiple of 8 (pad with padded_numel first).")
-    bits = (x.reshape(-1, 8) >= 0).to(torch.uint8)
+    bits = x.reshape(-1).ge(0)
+    if _LITTLE:
+        words = bits.view(torch.uint8).view(torch.int64)
+        return (words * _GATHER).bitwise_right_shift_(56).bitwise_and_(0xFF).to(torch.uint8)
+    bits = bits.to(torch.uint8).reshape(-1, 8)
     return (bits << _SHIFTS.to(bits.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """Inverse of :func:`pack_signs`: +1/-1 values of ``dtype``, 8 per byte."""
-    bits = (packed.reshape(-1, 1) >> _SHIFTS.to(packed.device)) & 1
-    return bits.reshape(-1).to(dtype).mul_(2).sub_(1)
+    if _LITTLE:
+        words = packed.reshape(-1).to(torch.int64).mul_(_SPREAD).bitwise_right_shift_(7).bitwise_and_(_LOW_BITS)
+        bits = words.view(torch.uint8)
+    else:
+        bits = ((packed.reshape(-1, 1) >> _SHIFTS.to(packed.device)) & 1).reshape(-1)
+    return bits.to(dtype).mul_(2).sub_(1)
 
 
 def wire_bytes(op: str, nbytes: int, world_size: int) -> float:
@@ -137,7 +159,7 @@ class CompressedBackend:
         x.add_(worker_error)
         # worker stage: one scale for the whole (padded) tensor, as DeepSpeed
         worker_scale = (torch.linalg.vector_norm(x) / math.sqrt(padded)).reshape(1)
-        worker_error.copy_(x - worker_scale * torch.where(x >= 0, 1.0, -1.0))
+        worker_error.copy_(x).sub_(signs_of(x).mul_(worker_scale))
         send = pack_signs(x).reshape(size, chunk // 8)
         recv = torch.empty_like(send)
         self._all_to_all(recv, send)
@@ -147,7 +169,7 @@ class CompressedBackend:
         server_m = unpack_signs(recv).reshape(size, chunk).mul_(scales.mul(1.0 / size).reshape(size, 1)).sum(0)
         server_m.add_(server_error)
         server_scale = (torch.linalg.vector_norm(server_m) / math.sqrt(chunk)).reshape(1)
-        server_error.copy_(server_m - server_scale * torch.where(server_m >= 0, 1.0, -1.0))
+        server_error.copy_(server_m).sub_(signs_of(server_m).mul_(server_scale))
         packed = pack_signs(server_m)
         all_signs = torch.empty(size * packed.numel(), dtype=torch.uint8, device=x.device)
         self._all_gather(all_signs, packed)

@@ -5,8 +5,7 @@ and this is Adam (the same update as ``torch.optim.Adam``; ``AdamW`` with weight
 Compressed phase: the variance ``exp_avg_sq`` is frozen; each rank folds its *local*
 gradient into the momentum, and the momenta are averaged by the 1-bit compressed
 all-reduce with error feedback (:mod:`deepspeed.runtime.comm.compressed`), one
-collective per parameter tensor (one per group under fp16/bf16, where the tensors are
-flat masters). The strategy does no gradient all-reduce in this phase.
+compressed all-reduce per parameter group over the group's momenta laid end to end. The strategy does no gradient all-reduce in this phase.
 
 Deviations from DeepSpeed's class, on purpose: DeepSpeed's first ``step()`` only
 allocates buffers and does not move the parameters, and it ignores
@@ -57,39 +56,44 @@ class OnebitAdam(OnebitOptimizerBase):
                 loss = closure()
         compressed = self.adam_freeze_key
         last = 0
-        for key, group, p in self._param_keys():
-            if p.grad is None:
+        for gi, group in enumerate(self.param_groups):
+            live = [p for p in group["params"] if p.grad is not None]
+            if not live:
                 continue
-            grad = p.grad
-            if grad.is_sparse:
-                raise RuntimeError("1-bit Adam does not support sparse gradients.")
-            state = self.state[p]
-            if len(state) == 0:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
             beta1, beta2 = group["betas"]
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            state["step"] += 1
-            last = step = state["step"]
-            exp_avg.lerp_(grad, 1 - beta1)
-            if not compressed:               # grad is already the average over ranks
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            else:                            # local grad; the momenta are averaged in 1 bit
-                exp_avg.copy_(self._compressed_average(key, exp_avg))
-                self._apply_mask(group, exp_avg)
-            if group["bias_correction"]:
-                bc1 = 1 - beta1 ** step
-                bc2 = 1 - beta2 ** (step if not compressed else max(self.freeze_step, 1))
-            else:
-                bc1 = bc2 = 1.0
-            if group["weight_decay"] != 0:   # decoupled, as DeepSpeed's update += wd * p
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-            if self.eps_mode == 0:
-                denom = (exp_avg_sq / bc2).add_(group["eps"]).sqrt_()
-            else:
-                denom = (exp_avg_sq.sqrt() / bc2 ** 0.5).add_(group["eps"])
-            p.addcdiv_(exp_avg, denom, value=-group["lr"] / bc1)
+            for p in live:
+                grad = p.grad
+                if grad.is_sparse:
+                    raise RuntimeError("1-bit Adam does not support sparse gradients.")
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                if not compressed:           # grad is already the average over ranks
+                    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            if compressed:                   # local grads: the momenta are averaged in 1 bit
+                momenta = [self.state[p]["exp_avg"] for p in live]
+                for m, avg in zip(momenta, self._group_average(gi, momenta)):
+                    m.copy_(avg)
+                    self._apply_mask(group, m)
+            for p in live:
+                state = self.state[p]
+                last = step = state["step"]
+                if group["bias_correction"]:
+                    bc1 = 1 - beta1 ** step
+                    bc2 = 1 - beta2 ** (step if not compressed else max(self.freeze_step, 1))
+                else:
+                    bc1 = bc2 = 1.0
+                if group["weight_decay"] != 0:   # decoupled, as DeepSpeed's update += wd * p
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                if self.eps_mode == 0:
+                    denom = (state["exp_avg_sq"] / bc2).add_(group["eps"]).sqrt_()
+                else:
+                    denom = (state["exp_avg_sq"].sqrt() / bc2 ** 0.5).add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bc1)
         if not self.adam_freeze_key and last >= self.freeze_step:
             self.adam_freeze_key = True      # from the next step on: compressed momentum
         return loss

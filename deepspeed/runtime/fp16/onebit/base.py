@@ -100,6 +100,21 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         w, s = self._error_buffers(key, t.numel(), t.device)
         return self.comm_backend_handle.compressed_allreduce(t, w, s)
 
+    def _group_average(self, gi: int, tensors) -> list:
+        """The compressed average of ``tensors`` (one group's), as one flat message: one
+        compressed all-reduce per group and step, not per tensor. Returns views per tensor."""
+        if len(tensors) == 1:
+            flat = tensors[0].reshape(-1)
+        else:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+        key = f"group{gi}:{len(tensors)}:{flat.numel()}"   # a new set of live tensors gets new errors
+        avg = self._compressed_average(key, flat)
+        out, off = [], 0
+        for t in tensors:
+            out.append(avg[off:off + t.numel()].view_as(t))
+            off += t.numel()
+        return out
+
     def _param_keys(self):
         """(key, group, param) for every parameter, key stable across save/load."""
         for gi, g in enumerate(self.param_groups):

@@ -103,8 +103,10 @@ class ZeroOneAdam(OnebitOptimizerBase):
 
     def _rank_tensors(self) -> dict:
         out = {f"acc.{k}": v for k, v in self.momentum_accumulator.items()}
-        if self.freeze_key and any(self.lrs.values()):   # between syncs the parameters differ per rank
+        if self.freeze_key and any(self.lrs.values()):   # between syncs parameters and momenta differ per rank
             out.update({f"param.{k}": p.detach() for k, _, p in self._param_keys()})
+            out.update({f"exp_avg.{k}": self.state[p]["exp_avg"] for k, _, p in self._param_keys()
+                        if "exp_avg" in self.state.get(p, {})})
         return out
 
     def _load_rank_tensors(self, tensors: dict) -> None:
@@ -113,11 +115,65 @@ class ZeroOneAdam(OnebitOptimizerBase):
             for k, _, p in self._param_keys():
                 if f"param.{k}" in tensors:
                     p.copy_(tensors[f"param.{k}"])
+                if f"exp_avg.{k}" in tensors:
+                    self.state[p]["exp_avg"].copy_(tensors[f"exp_avg.{k}"])
 
     def _denom(self, group, exp_avg_sq, bc2):
         if self.eps_mode == 0:
             return (exp_avg_sq / bc2).add_(group["eps"]).sqrt_()
         return (exp_avg_sq.sqrt() / bc2 ** 0.5).add_(group["eps"])
+
+    def _step_group(self, gi, group, live, step, full, sync, var_updates, lrs):
+        beta1, beta2 = group["betas"]
+        if group["bias_correction"]:
+            bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** max(var_updates, 1)
+        else:
+            bc1 = bc2 = 1.0
+        states = []
+        for _, p in live:
+            if p.grad.is_sparse:
+                raise RuntimeError("0/1 Adam does not support sparse gradients.")
+            state = self.state[p]
+            if len(state) == 0:
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] = step
+            states.append(state)
+        if not self.freeze_key and not full:
+            # gradients averaged in 1 bit (one message for the group); the variance stays
+            grads = self._group_average(gi, [p.grad for _, p in live])
+            for st, g1 in zip(states, grads):
+                self._apply_mask(group, g1)
+                st["exp_avg"].lerp_(g1, 1 - beta1)
+        else:
+            for (_, p), st in zip(live, states):
+                if full:               # averaged by the strategy: the variance is updated too
+                    st["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                st["exp_avg"].lerp_(p.grad, 1 - beta1)   # phase B: the local gradient
+        denoms, accs = [], []
+        for (key, p), st in zip(live, states):
+            denom = self._denom(group, st["exp_avg_sq"], bc2)
+            update = st["exp_avg"] / denom / bc1
+            if group["weight_decay"] != 0:
+                update.add_(p, alpha=group["weight_decay"])
+            p.add_(update, alpha=-group["lr"])
+            if self.freeze_key:
+                acc = self.momentum_accumulator.get(key)
+                if acc is None:
+                    acc = self.momentum_accumulator[key] = torch.zeros_like(p)
+                acc.add_(update, alpha=-group["lr"])
+                if sync:
+                    p.sub_(acc)        # undo the local updates since the last sync ...
+                    acc.mul_(denom)    # ... and average the momentum they amount to instead
+                    denoms.append(denom)
+                    accs.append(acc)
+        if accs:
+            for (_, p), st, acc, denom, avg in zip(live, states, accs, denoms, self._group_average(gi, accs)):
+                self._apply_mask(group, avg)
+                # the step-size-weighted mean of the ranks' momenta over the interval
+                st["exp_avg"].copy_(avg).div_(-lrs[gi])
+                p.add_(avg / denom)
+                acc.zero_()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -134,55 +190,10 @@ class ZeroOneAdam(OnebitOptimizerBase):
             for gi, g in enumerate(self.param_groups):
                 bc1 = (1 - g["betas"][0] ** step) if g["bias_correction"] else 1.0
                 lrs[gi] = self.lrs.get(gi, 0.0) + g["lr"] / bc1
-        for key, group, p in self._param_keys():
-            if p.grad is None:
-                continue
-            grad = p.grad
-            if grad.is_sparse:
-                raise RuntimeError("0/1 Adam does not support sparse gradients.")
-            state = self.state[p]
-            if len(state) == 0:
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] = step
-            beta1, beta2 = group["betas"]
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            if group["bias_correction"]:
-                bc1 = 1 - beta1 ** step
-                bc2 = 1 - beta2 ** max(var_updates, 1)
-            else:
-                bc1 = bc2 = 1.0
-            if not self.freeze_key:
-                if full:
-                    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    exp_avg.lerp_(grad, 1 - beta1)
-                else:
-                    g1 = self._compressed_average(key, grad)
-                    self._apply_mask(group, g1)
-                    exp_avg.lerp_(g1, 1 - beta1)
-            else:
-                exp_avg.lerp_(grad, 1 - beta1)
-            denom = self._denom(group, exp_avg_sq, bc2)
-            update = exp_avg / denom / bc1
-            if group["weight_decay"] != 0:
-                update.add_(p, alpha=group["weight_decay"])
-            p.add_(update, alpha=-group["lr"])
-            if self.freeze_key:
-                acc = self.momentum_accumulator.get(key)
-                if acc is None:
-                    acc = self.momentum_accumulator[key] = torch.zeros_like(p)
-                acc.add_(update, alpha=-group["lr"])
-                if sync:
-                    # undo the local updates, average (in 1 bit) the momentum they amount to,
-                    # and apply the average instead
-                    p.sub_(acc)
-                    acc.mul_(denom)
-                    avg = self._compressed_average(key, acc)
-                    self._apply_mask(group, avg)
-                    # the step-size-weighted mean of the ranks' momenta over the interval
-                    exp_avg.copy_(avg).div_(-lrs[int(key.split(".")[0])])
-                    p.add_(avg / denom)
-                    acc.zero_()
+        for gi, group in enumerate(self.param_groups):
+            live = [(f"{gi}.{pi}", p) for pi, p in enumerate(group["params"]) if p.grad is not None]
+            if live:
+                self._step_group(gi, group, live, step, full, sync, var_updates, lrs)
         if self.freeze_key:
             self.lrs = {} if sync else lrs
         self._advance_counters(step)
