@@ -12,7 +12,7 @@ import copy
 import json
 import math
 import os
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Literal, Optional, Union
 
 import hjson
 from pydantic import Field, field_validator
@@ -62,6 +62,10 @@ class DeepSpeedConfigModel(DSConfigModel):
     graph_harvesting: bool = False
     use_data_before_expert_parallelism: bool = False
     seed: Optional[int] = None
+    # Not in DeepSpeed (which applies such a step): what an fp32 step, or a bf16 one without
+    # bf16.check_grad_overflow, does with a NaN/Inf global gradient norm - skip it (warn, count
+    # it in skipped_steps) or raise (deepspeed.runtime.nonfinite).
+    nonfinite_gradients: Literal["skip", "raise"] = "skip"
 
     @field_validator("steps_per_print", mode="before")
     @classmethod

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from ...config.errors import DeepSpeedConfigError
 from ...utils.logging import logger
 from ..comm.optimizer_hooks import gradient_allreduce_needed
+from ..nonfinite import on_nonfinite
 from ..strategy import StepOutcome, StrategyContext, TrainingStrategy
 from ..utils import clip_coef, is_model_parallel_parameter
 from ..zero.stage0 import comm_dtype as _comm_dtype
@@ -357,6 +358,11 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         grads = staging
         if flag and self.skip_on_overflow:
             return self._skip_step()
+        if flag:   # fp32, or bf16 without overflow checking: never apply a NaN/Inf step
+            on_nonfinite(self.ctx.config, norm, f"ZeRO stage {self.ctx.config.zero_optimization_stage}")
+            self._detach_master_grads()
+            self.last_grad_norm = None
+            return StepOutcome(skipped=True, grad_norm=None)
         post = 1.0 if self._grads_local else self.predivide / self.average_over
         scale = self.scaler.cur_scale
         mult = post / scale * (clip_coef(norm, self.clip) if self.clip > 0 else 1.0)

@@ -10,11 +10,14 @@ same on every rank, so collectives always match.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from ... import comm as ds_comm
 from ..comm.optimizer_hooks import gradient_allreduce_needed, load_rank_local_state, save_rank_local_state
+from ..nonfinite import on_nonfinite
 from ..strategy import StepOutcome, StrategyContext, TrainingStrategy
 from ..utils import clip_coef, global_grad_norm, scale_grads_
 
@@ -197,9 +200,14 @@ class DataParallelStrategy(TrainingStrategy):
                 b.finish()
 
     def step(self) -> StepOutcome:
-        norm = None
-        if self.clip > 0:  # like DeepSpeed, the fp32 stage-0 norm is computed only when clipping
-            norm = self._norm_fn(self.params, mpu=self.ctx.mpu)
+        # the global norm (DeepSpeed computes it at fp32 stage 0 only when clipping): a NaN/Inf
+        # norm skips the step instead of poisoning the weights (deepspeed.runtime.nonfinite)
+        norm = self._norm_fn(self.params, mpu=self.ctx.mpu)
+        if not math.isfinite(norm):
+            on_nonfinite(self.ctx.config, norm, "ZeRO stage 0")
+            self.last_grad_norm = None
+            return StepOutcome(skipped=True, grad_norm=None)
+        if self.clip > 0:
             scale_grads_([p.grad for p in self.params if p.grad is not None], clip_coef(norm, self.clip))
         if self.optimizer is not None:
             self.optimizer.step()

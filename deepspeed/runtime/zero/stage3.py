@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ...utils.logging import logger
 from ..precision.inner_optimizer import InnerOptimizerFace
 from ..precision.loss_scaler import create_loss_scaler
+from ..nonfinite import on_nonfinite
 from ..strategy import StepOutcome, StrategyContext, TrainingStrategy
 from ..utils import clip_coef, is_model_parallel_parameter
 from .estimators import estimate_zero3_model_states_mem_needs  # noqa: F401 - DeepSpeed's import path
@@ -350,6 +351,11 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
                 logger.info(f"ZeRO-3 fp16: gradient overflow; step skipped, loss scale now {self.scaler.loss_scale}")
                 self.last_grad_norm = None
                 return StepOutcome(skipped=True, grad_norm=None)
+        elif not math.isfinite(total):   # fp32/bf16: never apply a NaN/Inf step (deepspeed.runtime.nonfinite)
+            on_nonfinite(self.ctx.config, total, "ZeRO stage 3")
+            self.parts.zero_grads()
+            self.last_grad_norm = None
+            return StepOutcome(skipped=True, grad_norm=None)
         norm = total / scale
         coef = (1.0 / scale) * clip_coef(norm, self.clip)
         if self.inner is not None:
