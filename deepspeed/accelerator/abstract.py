@@ -95,6 +95,11 @@ class DeepSpeedAccelerator(ABC):
     def is_pinned(self, tensor) -> bool:
         return False
 
+    def unpin_memory(self, tensor):
+        """Release pinning done by :meth:`pin_memory`: None, as with DeepSpeed's torch backend
+        (torch-pinned memory is freed when the tensor is garbage collected)."""
+        return None
+
     def on_accelerator(self, tensor) -> bool:
         return tensor.device.type == self._name
 
@@ -120,3 +125,20 @@ class DeepSpeedAccelerator(ABC):
 
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", "0"))
+
+    # -- op builders (DeepSpeed's accelerator interface) -----------------------------------------
+    def op_builder_dir(self) -> str:
+        """The package holding the op builders."""
+        return "deepspeed.ops.op_builder"
+
+    def get_op_builder(self, class_name: str):
+        """The op-builder class named ``class_name`` (``"CPUAdamBuilder"``, ``"FusedAdamBuilder"``,
+        ...), or None when DeepSpeed has no such builder. Ours load PyTorch-native
+        implementations; ``builder.is_compatible()`` says whether one is built here."""
+        from ..ops.op_builder.builders import BUILDERS
+        return BUILDERS.get(class_name)
+
+    def create_op_builder(self, class_name: str):
+        """An instance of :meth:`get_op_builder`'s class (None when there is none)."""
+        cls = self.get_op_builder(class_name)
+        return cls() if cls is not None else None

@@ -182,5 +182,10 @@ class SDAA_Accelerator(TorchDeviceAccelerator):  # noqa: N801
     _plugin_hint = "Tecorigin's torch_sdaa"
 
 
+class SUPA_Accelerator(TorchDeviceAccelerator):  # noqa: N801
+    _name, _communication_backend_name, _visible_devices_env = "supa", "bccl", "SUPA_VISIBLE_DEVICES"
+    _plugin_hint = "Biren's torch_supa"
+
+
 OTHER_ACCELERATORS = {cls._name: cls for cls in (XPU_Accelerator, NPU_Accelerator, MPS_Accelerator, HPU_Accelerator,
-                                                 MLU_Accelerator, SDAA_Accelerator)}
+                                                 MLU_Accelerator, SDAA_Accelerator, SUPA_Accelerator)}

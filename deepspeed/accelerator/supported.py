@@ -2,4 +2,4 @@
 accelerator against it in ``is_current_accelerator_supported``)."""
 from __future__ import annotations
 
-SUPPORTED_ACCELERATOR_LIST = ["cuda", "cpu", "xpu", "xpu.external", "npu", "mps", "hpu", "mlu", "sdaa"]
+SUPPORTED_ACCELERATOR_LIST = ["cuda", "cpu", "xpu", "xpu.external", "npu", "mps", "hpu", "mlu", "sdaa", "supa"]

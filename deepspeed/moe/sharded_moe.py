@@ -111,7 +111,10 @@ def _assemble(weights, kept, slots, num_experts, capacity, dense=True):
 
 def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token=None,
                noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True, use_rts: bool = True,
-               ep_group=None, return_assignments: bool = False, dense: bool = True):
+               ep_group=None, return_assignments: bool = False, dense: bool = True, *, use_tutel: bool = False):
+    if use_tutel:   # DeepSpeed's keyword: Tutel's fused dispatch format, which needs the tutel package
+        raise ValueError("top1gating(use_tutel=True) needs Microsoft's tutel package, which this deepspeed does not "
+                         "use (TUTEL_INSTALLED is False); call it with use_tutel=False.")
     S, E = logits.shape
     gates = F.softmax(logits, dim=1)
     pick_from = logits + gumbel_rsample(logits.shape, logits.device) if noisy_gate_policy == "RSample" else gates

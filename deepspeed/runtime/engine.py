@@ -9,7 +9,7 @@ branches on the stage.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, Dict, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,13 @@ from .strategy import StrategyContext
 from .strategy_factory import build_strategy
 
 FORWARD, BACKWARD, STEP = "forward", "backward", "step"
+
+# DeepSpeed's type aliases for the optimizer / lr_scheduler callables deepspeed.initialize accepts
+# (clients annotate with them): a callable taking the model parameters (or parameter groups) and
+# returning an optimizer, and one taking the optimizer and returning an LR scheduler.
+DeepSpeedOptimizerCallable = Callable[[Union[Iterable[torch.nn.Parameter], Dict[str, Iterable]]],
+                                      torch.optim.Optimizer]
+DeepSpeedSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
 def _normalize_param_groups(model, model_parameters):
@@ -103,8 +110,6 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
         self.tput_timer = ThroughputTimer(batch_size=cfg.train_batch_size)
 
         # ---- optimizer and strategy --------------------------------------------------------
-        from .model_checks import check_model_trainable   # no parameters / none trainable: a clear error
-        check_model_trainable(model, model_parameters, optimizer is not None or cfg.optimizer is not None)
         if optimizer is not None and cfg.optimizer is not None and self.global_rank == 0:
             # DeepSpeed's rule (engine._configure_optimizer): the client's optimizer wins.
             logger.warning(f"deepspeed.initialize: an optimizer was passed and the config has an 'optimizer' "
@@ -308,8 +313,6 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
             self.strategy.zero_grad(set_to_none=True)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            if self._features:  # compression's scheduler steps after the optimizer step
-                self._features.after_step(self)
             self.tput_timer.stop(global_step=True)
             self._maybe_log()
         self.micro_steps += 1

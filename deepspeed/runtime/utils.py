@@ -183,16 +183,40 @@ def get_weight_norm(parameters, norm_type=2, mpu=None) -> float:
 def clip_grad_norm_(parameters, max_norm, norm_type=2, mpu=None) -> float:
     """Scale the gradients in place so their total norm is at most ``max_norm``; returns the
     total norm before clipping (as ``torch.nn.utils.clip_grad_norm_``, across model-parallel
-    ranks with an ``mpu``)."""
+    ranks with an ``mpu``).
+
+    As in DeepSpeed, the norm is then averaged over the data-parallel group (collective: every
+    rank calls it): expert (MoE) gradients differ between ranks, so each rank's own norm
+    would differ and the ranks would clip by different factors; with the same gradients on
+    every rank the average is that norm."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
     total = _norm_of([p.grad for p in _counted_params(params, mpu)], norm_type, mpu)
+    total = _mean_over_data_parallel(total)
     coef = float(max_norm) / (total + 1e-6)
     if coef < 1.0:
         for p in params:
             p.grad.detach().mul_(coef)
     return total
+
+
+def _mean_over_data_parallel(value: float) -> float:
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    from ..utils import groups
+    group = groups._get_data_parallel_group()
+    size = dist.get_world_size(group=group)
+    if size == 1:
+        return value
+    t = ds_comm.to_comm_device(torch.tensor([value / size], dtype=torch.float64), group)
+    dist.all_reduce(t, group=group)
+    return float(t.item())
+
+
+def _is_expert_param(p) -> bool:
+    """DeepSpeed's is_moe_param: expert parameters carry ``allreduce = False``."""
+    return getattr(p, "allreduce", True) is False
 
 
 def prefix_sum_inc(weights) -> list:
@@ -368,6 +392,21 @@ class CheckOverflow:
         self.params = [p for g in (param_groups or []) for p in g] if param_groups else None
         self.zero_reduce_scatter = zero_reduce_scatter
         self.deepspeed = deepspeed
+        self.has_moe_params = any(_is_expert_param(p) for p in (self.params or []))
+
+    def _reduce_experts(self, overflow: bool, has_moe_params: bool) -> bool:
+        """With expert parameters, an overflow in one rank's experts is every rank's overflow:
+        reduced over the largest expert-parallel group (as DeepSpeed does), even when the
+        caller asks for no other reduction."""
+        if not (has_moe_params and dist.is_available() and dist.is_initialized()):
+            return overflow
+        from ..utils import groups
+        group = groups._get_max_expert_parallel_group()
+        if group is None:
+            return overflow
+        flag = ds_comm.to_comm_device(torch.tensor([1.0 if overflow else 0.0]), group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item() > 0)
 
     def _reduce(self, overflow: bool) -> bool:
         flag = torch.tensor([1.0 if overflow else 0.0])
@@ -384,12 +423,16 @@ class CheckOverflow:
         return any(p.grad is not None and not torch.isfinite(p.grad).all() for p in params)
 
     def has_overflow(self, params, has_moe_params=None) -> bool:
-        return self._reduce(self.has_overflow_serial(params))
+        params = list(params)
+        if has_moe_params is None:
+            has_moe_params = self.has_moe_params
+        return self._reduce(self._reduce_experts(self.has_overflow_serial(params), has_moe_params))
 
     def check_using_norm(self, norm_group, reduce_overflow=True) -> bool:
         overflow = any(not math.isfinite(float(n)) or float(n) == -1 for n in norm_group)
+        overflow = self._reduce_experts(overflow, self.has_moe_params)
         return self._reduce(overflow) if reduce_overflow else overflow
 
     def check(self, param_groups=None) -> bool:
         params = [p for g in param_groups for p in g] if param_groups is not None else (self.params or [])
-        return self.has_overflow(params)
+        return self.has_overflow(params, any(_is_expert_param(p) for p in params))

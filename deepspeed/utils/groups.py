@@ -386,6 +386,13 @@ def get_max_expert_size():
     return _get_max_expert_size()
 
 
+def _get_max_expert_parallel_group():
+    """The expert-parallel group of the largest ep_size (None before any expert group exists):
+    where DeepSpeed reduces an overflow seen in expert gradients."""
+    name = _get_max_expert_size_name()
+    return _EXPERT_PARALLEL_GROUP.get(name) if name is not None else None
+
+
 def get_max_expert_size_name():
     return _get_max_expert_size_name()
 

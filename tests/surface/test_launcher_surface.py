@@ -41,17 +41,17 @@ def test_runner_constructors_and_get_cmd_with_deepspeeds_arguments(tmp_path, mon
     pdsh = PDSHRunner(args, world)  # DeepSpeed: PDSHRunner(args, world_info_base64)
     assert pdsh.resources == OrderedDict([("worker-0", [0, 1]), ("worker-1", [0, 1])])
     pdsh.add_export("NCCL_DEBUG", " INFO ")
-    cmd = pdsh.get_cmd({}, {"worker-0": [0, 1], "worker-1": [0, 1]})[0]
-    assert cmd.argv[:6] == ["pdsh", "-S", "-f", "1024", "-w", "worker-0,worker-1"]
-    assert "export NCCL_DEBUG=INFO" in cmd.argv[-1] and f"--world_info={world}" in cmd.argv[-1]
+    cmd, kill_cmd, env = pdsh.get_cmd({}, {"worker-0": [0, 1], "worker-1": [0, 1]})  # DeepSpeed's PDSH shape
+    assert cmd[:6] == ["pdsh", "-S", "-f", "1024", "-w", "worker-0,worker-1"] and env["PDSH_RCMD_TYPE"] == "ssh"
+    assert "export NCCL_DEBUG=INFO" in cmd[-1] and f"--world_info={world}" in cmd[-1] and kill_cmd[0] == "pdsh"
     # MPI runners: (args, world_info_base64, resource_pool) with slot counts
     mpi = OpenMPIRunner(args, world, {"worker-0": 2, "worker-1": 2})
     mpi.validate_args()
-    argv = mpi.get_cmd({}, {"worker-0": [0, 1], "worker-1": [0, 1]})[0].argv
+    argv = mpi.get_cmd({}, {"worker-0": [0, 1], "worker-1": [0, 1]})   # one command line, as in DeepSpeed
     assert argv[0] == "mpirun" and "4" in argv and argv[-3:] == ["train.py", "--lr", "0.1"]
     for cls in (MPICHRunner, SlurmRunner):
         r = cls(args, world, {"worker-0": 2, "worker-1": 2})
-        assert r.get_cmd({})[0].argv[-3:] == ["train.py", "--lr", "0.1"]
+        assert r.get_cmd({})[-3:] == ["train.py", "--lr", "0.1"]
     # active resources passed to get_cmd replace the constructor's; MPI cannot pick slot 1 alone
     with pytest.raises(ResourceError, match="cannot use slots \\[1\\]"):
         mpi.get_cmd({}, {"worker-0": [1]})
