@@ -110,6 +110,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
         self.tput_timer = ThroughputTimer(batch_size=cfg.train_batch_size)
 
         # ---- optimizer and strategy --------------------------------------------------------
+        from .model_checks import check_model_trainable   # no parameters / none trainable: a clear error
+        check_model_trainable(model, model_parameters, optimizer is not None or cfg.optimizer is not None)
         if optimizer is not None and cfg.optimizer is not None and self.global_rank == 0:
             # DeepSpeed's rule (engine._configure_optimizer): the client's optimizer wins.
             logger.warning(f"deepspeed.initialize: an optimizer was passed and the config has an 'optimizer' "
@@ -313,6 +315,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
             self.strategy.zero_grad(set_to_none=True)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            if self._features:  # compression's scheduler steps after the optimizer step
+                self._features.after_step(self)
             self.tput_timer.stop(global_step=True)
             self._maybe_log()
         self.micro_steps += 1
