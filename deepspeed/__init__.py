@@ -55,7 +55,8 @@ def __getattr__(name):
     # Submodules that pull in more code load on first use; documented-but-unbuilt ones
     # (deepspeed._unbuilt.UNBUILT) raise FeatureNotAvailableError from the import hook.
     import importlib
-    if name in ("zero", "checkpointing", "ops", "launcher", "moe", "pipe") or f"{__name__}.{name}" in _unbuilt.UNBUILT:
+    if name in ("zero", "checkpointing", "ops", "launcher", "moe", "pipe", "sequence") \
+            or f"{__name__}.{name}" in _unbuilt.UNBUILT:
         return importlib.import_module(f".{name}", __name__)
     if name in _LAZY_NAMES:
         return getattr(importlib.import_module(f".{_LAZY_NAMES[name]}", __name__), name)

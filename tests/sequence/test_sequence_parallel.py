@@ -85,7 +85,8 @@ def _train(rank, ws, sp, stage, data, seed=7, save_dir=None):
     # the SP groups are made by initialize; the attention needs the group, so build the engine first
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     group = groups._get_sequence_parallel_group()
-    model.attn = __import__("deepspeed").sequence.layer.DistributedAttention(M.causal_sdpa, group, 2, 1)
+    from deepspeed.sequence.layer import DistributedAttention
+    model.attn = DistributedAttention(M.causal_sdpa, group, 2, 1)
     info = {"sp_ws": groups._get_sequence_parallel_world_size(), "sp_rank": groups._get_sequence_parallel_rank(),
             "dp_ws": groups._get_data_parallel_world_size(), "dp_rank": groups._get_data_parallel_rank(),
             "sdp_ws": groups._get_sequence_data_parallel_world_size(),
@@ -136,11 +137,12 @@ def _resume_body(rank, ws, ckpt_dir, data):
     return {"loaded": loaded, "next": {k: v.detach().clone() for k, v in engine.module_state_dict().items()}}
 
 
-@pytest.fixture(scope="module")
-def sp2_world(tmp_path_factory):
-    ckpt = str(tmp_path_factory.mktemp("sp_ckpt"))
-    res = run_distributed(_world_body, world_size=2, args=(ckpt,), timeout=240)
-    return res, ckpt
+def combined_body(rank, ws, ckpt_dir):
+    """One spawned world of 2 for every fast check in tests/sequence (conftest's sp2_world)."""
+    from tests.sequence.test_ulysses_sp_hf import _hf_body
+    out = _world_body(rank, ws, ckpt_dir)
+    out["hf"] = _hf_body(rank, ws)   # replaces Transformers' sdpa in this process: last
+    return out
 
 
 def test_distributed_attention_matches_full_attention(sp2_world):

@@ -109,9 +109,8 @@ def _hf_body(rank, ws, with_engine=False):
 
 
 @pytest.fixture(scope="module")
-def hf_world():
-    pytest.importorskip("transformers")
-    return run_distributed(_hf_body, world_size=2, timeout=240)
+def hf_world(sp2_world):
+    return [r["hf"] for r in sp2_world[0]]
 
 
 def test_ulysses_hf_attention_equals_full_model(hf_world):
