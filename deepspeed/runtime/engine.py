@@ -111,6 +111,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
 
         # ---- optimizer and strategy --------------------------------------------------------
         from .model_checks import check_model_trainable   # no parameters / none trainable: a clear error
+        if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
+            model_parameters = list(model_parameters)   # a generator (model.parameters()) is read twice below
         check_model_trainable(model, model_parameters, optimizer is not None or cfg.optimizer is not None)
         if optimizer is not None and cfg.optimizer is not None and self.global_rank == 0:
             # DeepSpeed's rule (engine._configure_optimizer): the client's optimizer wins.
