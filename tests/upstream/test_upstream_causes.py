@@ -1,0 +1,282 @@
+"""Regressions for the causes DeepSpeed's own unit tests found (issue 31, item 5; the driver is
+``run_upstream.py``). Each check states DeepSpeed's behaviour against an independent reference
+(plain PyTorch, a hand-computed value, the file layout DeepSpeed documents) and failed on the
+code before the fix. One spawned world of 2 runs every distributed check."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+
+
+# ---------------------------------------------------------------------------- no process group
+def test_get_optim_files_globs_every_optim_states_file_in_natural_order(tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_model_state_files, get_optim_files
+    names = [f"zero_{i}_optim_states.pt" for i in range(12)]   # not DeepSpeed's rank-file names
+    for n in reversed(names):
+        (tmp_path / n).write_text("x")
+    (tmp_path / "mp_rank_00_model_states.pt").write_text("x")
+    assert get_optim_files(tmp_path) == [str(tmp_path / n) for n in names]   # zero_2 before zero_10
+    assert get_model_state_files(str(tmp_path)) == [str(tmp_path / "mp_rank_00_model_states.pt")]
+    with pytest.raises(FileNotFoundError, match=r"\*_optim_states.pt"):
+        get_optim_files(tmp_path / "nothing_here")
+
+
+def test_inference_schedule_step_layout():
+    """DeepSpeed's InferenceSchedule: the forward of micro-batch i on stage s at step i + s;
+    its activation is sent at the next step (received there by stage s + 1); two buffers
+    alternate; even stages send before they receive, odd stages receive first."""
+    from deepspeed.runtime.pipe import schedule as S
+    m, p = 3, 3
+    steps = {s: list(S.InferenceSchedule(micro_batches=m, stages=p, stage_id=s)) for s in range(p)}
+    kinds = {s: [[type(c).__name__ for c in st] for st in steps[s]] for s in steps}
+    assert kinds[0] == [["LoadMicroBatch", "ForwardPass"], ["LoadMicroBatch", "SendActivation", "ForwardPass"],
+                        ["LoadMicroBatch", "SendActivation", "ForwardPass"], ["SendActivation"], []]
+    assert kinds[1] == [[], ["RecvActivation", "ForwardPass"], ["RecvActivation", "SendActivation", "ForwardPass"],
+                        ["RecvActivation", "SendActivation", "ForwardPass"], ["SendActivation"]]
+    assert kinds[2] == [[], [], ["LoadMicroBatch", "RecvActivation", "ForwardPass"],
+                        ["LoadMicroBatch", "RecvActivation", "ForwardPass"],
+                        ["LoadMicroBatch", "RecvActivation", "ForwardPass"]]
+    for s in range(p):
+        for t, st in enumerate(steps[s]):
+            fwd = [c.buffer_id for c in st if isinstance(c, S.ForwardPass)]
+            send = [c.buffer_id for c in st if isinstance(c, S.SendActivation)]
+            if t > 0 and send:   # the buffer sent is the one the previous step's forward filled
+                prev = [c.buffer_id for c in steps[s][t - 1] if isinstance(c, S.ForwardPass)]
+                assert send == prev and (not fwd or fwd != send)
+
+
+def test_prime_factors():
+    from deepspeed.runtime.pipe.topology import _prime_factors
+    for n in range(1, 200):
+        fs = _prime_factors(n)
+        assert math.prod(fs) == n and fs == sorted(fs)
+        assert all(_prime_factors(f) == [f] for f in fs)
+    with pytest.raises(ValueError):
+        _prime_factors(0)
+
+
+def test_config_rules_deepspeed_states(tmp_path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                       DeepSpeedZeroOffloadParamConfig)
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, "train_batch_size": 8}')
+    with pytest.raises(ValueError, match="train_batch_size"):     # json alone keeps the last value
+        DeepSpeedConfig(str(path))
+    path.write_text('{\n "train_batch_size": 8,\n "zero_optimization": {"stage": 1, "stage": 2},\n}')   # hjson
+    with pytest.raises(ValueError, match="stage"):
+        DeepSpeedConfig(str(path))
+    # overlap_comm as DeepSpeed reports it when unset: false below stage 3, true at stage 3
+    assert [DeepSpeedZeroConfig(stage=s).overlap_comm for s in range(4)] == [False, False, False, True]
+    assert DeepSpeedZeroConfig(stage=1, overlap_comm=True).overlap_comm is True
+    # the legacy spellings build DeepSpeed's section classes
+    assert type(DeepSpeedZeroConfig(cpu_offload=True).offload_optimizer) is DeepSpeedZeroOffloadOptimizerConfig
+    assert type(DeepSpeedZeroConfig(cpu_offload_param=True).offload_param) is DeepSpeedZeroOffloadParamConfig
+    from pydantic import Field
+
+    class Conf(DeepSpeedConfigModel):
+        new: int = 0
+        old: int = Field(0, json_schema_extra={"deprecated": True, "new_param": "new"})
+
+    with pytest.raises(AssertionError, match="'old' is deprecated"):   # DeepSpeed asserts here
+        Conf(new=1, old=2)
+
+
+def test_accelerator_op_builders_and_engine_aliases():
+    import typing
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    from deepspeed.runtime.engine import DeepSpeedOptimizerCallable, DeepSpeedSchedulerCallable
+    acc = get_accelerator()
+    assert acc.get_op_builder("CPUAdamBuilder") is CPUAdamBuilder
+    b = acc.create_op_builder("CPUAdamBuilder")
+    assert isinstance(b, CPUAdamBuilder) and b.NAME == "cpu_adam" and b.is_compatible()
+    assert acc.get_op_builder("NoSuchBuilder") is None and acc.create_op_builder("NoSuchBuilder") is None
+    assert acc.unpin_memory(torch.zeros(2)) is None
+    assert typing.get_origin(DeepSpeedOptimizerCallable) is typing.get_origin(DeepSpeedSchedulerCallable)
+    assert typing.get_args(DeepSpeedSchedulerCallable)[1] is torch.optim.lr_scheduler.LRScheduler
+    assert typing.get_args(DeepSpeedOptimizerCallable)[1] is torch.optim.Optimizer
+    import deepspeed.accelerator.supa_accelerator as supa
+    assert supa.SUPA_Accelerator().communication_backend_name() == "bccl"
+
+
+def test_top1gating_accepts_use_tutel():
+    from deepspeed.moe.sharded_moe import top1gating
+    torch.manual_seed(0)
+    logits = torch.randn(8, 4)
+    a = top1gating(logits, 1.0, 1, use_tutel=False)
+    b = top1gating(logits, 1.0, 1)
+    assert all(torch.equal(x, y) for x, y in zip(a[1:], b[1:]) if torch.is_tensor(x))
+    with pytest.raises(ValueError, match="tutel"):
+        top1gating(logits, 1.0, 1, use_tutel=True)
+
+
+# ---------------------------------------------------------------------------- one world of 2
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer1 = torch.nn.Linear(6, 6)
+        self.layer2 = torch.nn.Linear(6, 6)
+        self.layer1.weight = self.layer2.weight
+
+    def forward(self, x):
+        return self.layer2(torch.tanh(self.layer1(x))).pow(2).mean()
+
+
+def _body(rank, ws, out_dir):
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.runtime import utils as ds_utils
+    from deepspeed.utils import groups
+    from deepspeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
+                                              load_state_dict_from_zero_checkpoint)
+    out = {}
+    torch.manual_seed(0)
+    ref = _Tied()
+    xs = torch.randn(2 * ws, 6)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3,
+           "stage3_param_persistence_threshold": 0}, "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+    model = _Tied()
+    model.load_state_dict(ref.state_dict())
+    eng, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    opt = eng.optimizer
+
+    # ZeRO-3 introspection after one backward: each rank's fp32 gradient partitions, gathered,
+    # are plain PyTorch's gradient of the mean loss over the global batch
+    eng.backward(eng(xs[2 * rank:2 * rank + 2]))
+    parts = opt.get_fp32_grad_partitions()
+    out["intro_keys"] = (sorted(parts), [sorted(v) for v in parts.values()], len(opt.fp16_groups),
+                         len(opt.fp32_partitioned_groups_flat))
+    out["grad_dtypes"] = {str(g.dtype) for v in parts.values() for g in v.values()}
+    full = {}
+    for gi, params in enumerate(opt.fp16_groups):
+        for j, p in enumerate(params):
+            mine = parts[gi][j]
+            gathered = [torch.zeros_like(mine) for _ in range(ws)]
+            dist.all_gather(gathered, mine)
+            full[p.ds_id] = torch.cat(gathered)[:p.ds_numel].view(p.ds_shape)
+    ref_loss = sum(ref(xs[2 * r:2 * r + 2]) for r in range(ws)) / ws
+    ref_loss.backward()
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_grads = dict(ref.named_parameters())
+    out["grad_err"] = max((full[p.ds_id] - ref_grads[names[id(p)]].grad).abs().max().item()
+                          for params in opt.fp16_groups for p in params)
+    out["avg_is_parts"] = all(torch.equal(opt.averaged_gradients[i][j].float(), parts[i][j])
+                              for i in parts for j in parts[i])
+    eng.step()
+    out["state_steps"] = [int(opt.optimizer.state[m]["step"]) for m in opt.fp32_partitioned_groups_flat]
+    out["global_grad_norm_set"] = opt._global_grad_norm is not None
+
+    # GatheredParameters rebinds param.data on exit: a detach() taken inside keeps its values
+    w = model.layer2.bias
+    with deepspeed.zero.GatheredParameters([w]):
+        inside = w.detach()
+        copy = w.detach().clone()
+    out["detach_alive"] = inside.numel() == copy.numel() and torch.equal(inside, copy)
+    out["released"] = w.numel() == 0
+
+    # parameter_offload.forward_hooks: off inside unwrap_model_for_generation, back after
+    from deepspeed.runtime.zero import unwrap_model_for_generation
+    hooks_before = len(opt.parameter_offload.forward_hooks)
+    with unwrap_model_for_generation(eng):
+        hooks_inside = len(opt.parameter_offload.forward_hooks)
+        whole = model.layer1.weight.numel()
+    loss_after = eng(xs[2 * rank:2 * rank + 2]).item()   # the hooks gather again
+    out["hooks"] = (hooks_before > 0, hooks_inside, len(opt.parameter_offload.forward_hooks) == hooks_before,
+                    whole, math.isfinite(loss_after))
+
+    # checkpoint -> consolidated fp32 in DeepSpeed's 0.16+ form
+    ckpt = os.path.join(out_dir, "ckpt")
+    eng.save_checkpoint(ckpt, tag="t1")
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dist.barrier()
+    if rank == 0:
+        d1 = os.path.join(out_dir, "fp32")
+        convert_zero_checkpoint_to_fp32_state_dict(ckpt, d1)
+        sd = torch.load(os.path.join(d1, "pytorch_model.bin"), weights_only=True)
+        out["tied_one_tensor"] = sd["layer1.weight"] is sd["layer2.weight"]
+        out["fp32_err"] = max((sd[n] - t).abs().max().item() for n, t in trained.items())
+        d2 = os.path.join(out_dir, "sharded")
+        convert_zero_checkpoint_to_fp32_state_dict(ckpt, d2, max_shard_size=100)   # bytes: forces shards
+        with open(os.path.join(d2, "pytorch_model.bin.index.json")) as f:
+            index = json.load(f)
+        shards = sorted(set(index["weight_map"].values()))
+        merged = {}
+        for s in shards:
+            merged.update(torch.load(os.path.join(d2, s), weights_only=True))
+        out["shards"] = (len(shards), shards[0], set(index["weight_map"]) == set(sd),
+                         all(torch.equal(merged[n], sd[n]) for n in sd))
+        legacy = os.path.join(out_dir, "legacy.bin")   # pre-0.16 form: one file
+        convert_zero_checkpoint_to_fp32_state_dict(ckpt, legacy, tag="t1")
+        out["legacy"] = set(torch.load(legacy, weights_only=True)) == set(sd)
+        with pytest.raises(ValueError, match="max_shard_size"):
+            convert_zero_checkpoint_to_fp32_state_dict(ckpt, d1, "t1")   # old positional tag
+        half = _Tied().half()
+        got = load_state_dict_from_zero_checkpoint(half, ckpt)
+        out["fp16_kept"] = {str(p.dtype) for p in got.parameters()}
+        out["fp16_values"] = max((got.state_dict()[n].float() - trained[n].half().float()).abs().max().item()
+                                 for n in trained)
+    dist.barrier()
+
+    # tag validation: per-rank tags save one complete checkpoint under rank 0's tag (Warn and
+    # Ignore); an empty save_dir is a ValueError on every rank, not a hang
+    eng0, _, _, _ = deepspeed.initialize(model=torch.nn.Linear(3, 3), config={
+        "train_micro_batch_size_per_gpu": 1, "checkpoint": {"tag_validation": "Ignore"},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    eng0.save_checkpoint(os.path.join(out_dir, "tags"), tag=f"tag-{rank}")
+    tags = os.path.join(out_dir, "tags")
+    out["tag_dirs"] = sorted(n for n in os.listdir(tags) if os.path.isdir(os.path.join(tags, n)) and n[0] != ".")
+    errs = []
+    for bad in (None, ""):
+        try:
+            eng0.save_checkpoint(bad)
+        except ValueError as err:
+            errs.append(type(err).__name__)
+    out["bad_dirs"] = errs
+
+    # MoE-aware clip_grad_norm_ / CheckOverflow (expert parameters carry allreduce=False)
+    groups._create_expert_and_data_parallel(2)
+    p1, p2 = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    p1.grad, p2.grad = torch.tensor([1.0]), torch.tensor([float(rank + 1)])
+    p2.allreduce = False
+    norm = ds_utils.clip_grad_norm_([p1, p2], max_norm=0.1)
+    local = [math.sqrt(1 + (r + 1) ** 2) for r in range(ws)]
+    out["clip_norm"] = (norm, sum(local) / ws)   # DeepSpeed: the mean of the ranks' norms
+    q1, q2 = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    q1.grad, q2.grad = torch.tensor([1.0]), torch.tensor([1.0 if rank == 0 else float("inf")])
+    q2.allreduce = False
+    flat = [torch.cat([q1.grad, q2.grad])]
+    norm = ds_utils.get_weight_norm(flat)
+    out["overflow"] = (ds_utils.CheckOverflow([[q1, q2]]).check_using_norm([norm], reduce_overflow=False),
+                       ds_utils.CheckOverflow([[q1, q2]]).check())
+    return out
+
+
+def test_deepspeed_unit_test_causes_on_two_ranks(tmp_path):
+    r0, r1 = run_distributed(_body, world_size=2, args=(str(tmp_path),), timeout=240)
+    for r in (r0, r1):
+        assert r["intro_keys"] == ([0], [[0, 1, 2]], 1, 1), r["intro_keys"]   # layer1.weight is layer2.weight
+        assert r["grad_dtypes"] == {"torch.float32"}
+        assert r["grad_err"] < 1e-6 and r["avg_is_parts"]
+        assert r["state_steps"] == [1] and r["global_grad_norm_set"]
+        assert r["detach_alive"] and r["released"]
+        assert r["hooks"] == (True, 0, True, 36, True)
+        assert r["tag_dirs"] == ["tag-0"]
+        assert r["bad_dirs"] == ["ValueError", "ValueError"]
+        assert r["clip_norm"][0] == pytest.approx(r["clip_norm"][1], rel=1e-6)
+        assert r["overflow"] == (True, True)
+    assert r0["tied_one_tensor"] and r0["fp32_err"] < 1e-6
+    n, first, names_ok, values_ok = r0["shards"]
+    assert n > 1 and first == f"pytorch_model-00001-of-{n:05d}.bin" and names_ok and values_ok
+    assert r0["legacy"]
+    assert r0["fp16_kept"] == {"torch.float16"} and r0["fp16_values"] == 0.0
+    assert {"rng_state_rank_0.pt", "rng_state_rank_1.pt"} <= set(os.listdir(tmp_path / "tags" / "tag-0"))
