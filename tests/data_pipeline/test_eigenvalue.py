@@ -36,7 +36,7 @@ def _spd(n, top, seed):
     return (q @ torch.diag(eig) @ q.T).float()
 
 
-@pytest.mark.filterwarnings("ignore:Using backward\(\) with create_graph")
+@pytest.mark.filterwarnings(r"ignore:Using backward\(\) with create_graph")
 def test_power_iteration_finds_the_largest_hessian_eigenvalue():
     mats = [_spd(6, 3.0, 0), _spd(6, 7.5, 1)]
     model = Quad(mats)

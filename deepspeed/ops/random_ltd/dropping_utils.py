@@ -93,3 +93,26 @@ class ScatterTokens(torch.autograd.Function):
         kept = out_gradients.gather(dim, _expand(sorted_indices, out_gradients, ctx.batch_first))
         # all_activations: passed through unchanged (GatherTokens' backward overwrites the kept positions)
         return out_gradients, kept, None, None
+
+
+# ---- the kernel entry points of DeepSpeed's RandomLTDBuilder().load(), in PyTorch ops
+def token_sort_(indices: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """Sort each row of sampled token indices ascending, in place."""
+    indices.copy_(indices.sort(dim=-1).values)
+    return indices
+
+
+def token_gather(activations: torch.Tensor, sorted_indices: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    """The tokens at ``sorted_indices`` ([batch, kept]) of each sample."""
+    return activations.gather(1 if batch_first else 0, _expand(sorted_indices, activations, batch_first))
+
+
+def token_scatter_(all_activations: torch.Tensor, layer_activations: torch.Tensor, sorted_indices: torch.Tensor,
+                   batch_first: bool) -> torch.Tensor:
+    """Write ``layer_activations`` back at ``sorted_indices`` of ``all_activations``, in place."""
+    return all_activations.scatter_(1 if batch_first else 0, _expand(sorted_indices, all_activations, batch_first),
+                                    layer_activations.to(all_activations.dtype))
+
+
+def mask_gather_gpt(attn_mask: torch.Tensor, reserved_length: int) -> torch.Tensor:
+    return attn_mask[:, :, :reserved_length, :reserved_length]
