@@ -52,33 +52,62 @@ def padded_numel(numel: int, world_size: int) -> int:
     return ((numel + unit - 1) // unit) * unit
 
 
-def signs_of(x: torch.Tensor) -> torch.Tensor:
-    """+1 where ``x >= 0`` (zero included, as DeepSpeed), -1 elsewhere; fp32."""
-    return x.ge(0).to(torch.float32).mul_(2).sub_(1)
-
-
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """Signs of ``x`` (``x >= 0`` -> bit 1) packed 8 per byte, first element in the most
     significant bit (``numpy.packbits`` order). ``x.numel()`` must be a multiple of 8."""
     n = x.numel()
     if n % 8:
         raise ValueError(f"pack_signs: numel {n} is not a multiple of 8 (pad with padded_numel first).")
-    bits = x.reshape(-1).ge(0)
-    if _LITTLE:
-        words = bits.view(torch.uint8).view(torch.int64)
-        return (words * _GATHER).bitwise_right_shift_(56).bitwise_and_(0xFF).to(torch.uint8)
-    bits = bits.to(torch.uint8).reshape(-1, 8)
-    return (bits << _SHIFTS.to(bits.device)).sum(dim=1, dtype=torch.uint8)
+    return _pack_bits(x.reshape(-1).ge(0))
 
 
 def unpack_signs(packed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """Inverse of :func:`pack_signs`: +1/-1 values of ``dtype``, 8 per byte."""
+    return _unpack_bits(packed).to(dtype).mul_(2).sub_(1)
+
+
+def _signed_scale(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``scale * sign`` from the bool tensor ``x >= 0``, as ``2s*bit - s``: exactly +-s
+    (doubling and ``2s - s`` round nothing)."""
+    return bits.view(torch.uint8).to(torch.float32).mul_(scale * 2).sub_(scale)
+
+
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_signs` from the bool tensor ``x >= 0``."""
     if _LITTLE:
-        words = packed.reshape(-1).to(torch.int64).mul_(_SPREAD).bitwise_right_shift_(7).bitwise_and_(_LOW_BITS)
-        bits = words.view(torch.uint8)
-    else:
-        bits = ((packed.reshape(-1, 1) >> _SHIFTS.to(packed.device)) & 1).reshape(-1)
-    return bits.to(dtype).mul_(2).sub_(1)
+        words = bits.view(torch.uint8).view(torch.int64)
+        return (words * _GATHER).bitwise_right_shift_(56).bitwise_and_(0xFF).to(torch.uint8)
+    b = bits.to(torch.uint8).reshape(-1, 8)
+    return (b << _SHIFTS.to(b.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
+    """0/1 bytes, 8 per packed byte (inverse of :func:`_pack_bits`)."""
+    if _LITTLE:
+        return packed.reshape(-1).to(torch.int64).mul_(_SPREAD).bitwise_right_shift_(7).bitwise_and_(
+            _LOW_BITS).view(torch.uint8)
+    return ((packed.reshape(-1, 1) >> _SHIFTS.to(packed.device)) & 1).reshape(-1)
+
+
+_SIGN_LUT = None
+
+
+def _sign_lut(device) -> torch.Tensor:
+    """(256, 8) fp32: the +-1 signs of every byte value, most significant bit first."""
+    global _SIGN_LUT
+    if _SIGN_LUT is None:
+        byte = torch.arange(256, dtype=torch.int64).reshape(256, 1)
+        _SIGN_LUT = ((byte >> torch.arange(7, -1, -1)) & 1).to(torch.float32).mul_(2).sub_(1)
+    return _SIGN_LUT.to(device)
+
+
+def _scaled_signs(packed: torch.Tensor, scales: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """(rows, cols) fp32 of ``+-scales[row]`` from ``rows`` packed rows: one table lookup per
+    byte in a per-row table of scaled signs (exact: +-1 times s)."""
+    tables = (_sign_lut(packed.device).unsqueeze(0) * scales.reshape(rows, 1, 1)).reshape(rows * 256, 8)
+    idx = packed.reshape(rows, cols // 8).to(torch.int64)
+    idx += (torch.arange(rows, device=packed.device) * 256).reshape(rows, 1)
+    return tables.index_select(0, idx.reshape(-1)).reshape(rows, cols)
 
 
 def wire_bytes(op: str, nbytes: int, world_size: int) -> float:
@@ -154,28 +183,30 @@ class CompressedBackend:
                              f"it needs {chunk} (worker_error's length / world size).")
         if n == 0:
             return buffer_m.clone()
-        x = torch.zeros(padded, dtype=torch.float32, device=buffer_m.device)
-        x[:n].copy_(buffer_m.reshape(-1))
-        x.add_(worker_error)
+        x = worker_error.clone()                      # padded tensor + worker error
+        x[:n].add_(buffer_m.reshape(-1).to(torch.float32))
         # worker stage: one scale for the whole (padded) tensor, as DeepSpeed
-        worker_scale = (torch.linalg.vector_norm(x) / math.sqrt(padded)).reshape(1)
-        worker_error.copy_(x).sub_(signs_of(x).mul_(worker_scale))
-        send = pack_signs(x).reshape(size, chunk // 8)
+        worker_scale = torch.linalg.vector_norm(x) / math.sqrt(padded)
+        bits = x.ge(0)
+        torch.sub(x, _signed_scale(bits, worker_scale), out=worker_error)   # x - s * sign
+        send = _pack_bits(bits).reshape(size, chunk // 8)
+        del x, bits
         recv = torch.empty_like(send)
         self._all_to_all(recv, send)
-        scales = torch.empty(size, dtype=torch.float32, device=x.device)
-        self._all_gather(scales, worker_scale)
+        scales = torch.empty(size, dtype=torch.float32, device=worker_error.device)
+        self._all_gather(scales, worker_scale.reshape(1))
         # server stage: average the chunk this rank owns, compress it again
-        server_m = unpack_signs(recv).reshape(size, chunk).mul_(scales.mul(1.0 / size).reshape(size, 1)).sum(0)
+        server_m = _scaled_signs(recv, scales.mul(1.0 / size), size, chunk).sum(0)
         server_m.add_(server_error)
-        server_scale = (torch.linalg.vector_norm(server_m) / math.sqrt(chunk)).reshape(1)
-        server_error.copy_(server_m).sub_(signs_of(server_m).mul_(server_scale))
-        packed = pack_signs(server_m)
-        all_signs = torch.empty(size * packed.numel(), dtype=torch.uint8, device=x.device)
+        server_scale = torch.linalg.vector_norm(server_m) / math.sqrt(chunk)
+        bits = server_m.ge(0)
+        torch.sub(server_m, _signed_scale(bits, server_scale), out=server_error)
+        packed = _pack_bits(bits)
+        all_signs = torch.empty(size * packed.numel(), dtype=torch.uint8, device=packed.device)
         self._all_gather(all_signs, packed)
-        all_scales = torch.empty(size, dtype=torch.float32, device=x.device)
-        self._all_gather(all_scales, server_scale)
-        out = unpack_signs(all_signs).reshape(size, chunk).mul_(all_scales.reshape(size, 1)).reshape(-1)
+        all_scales = torch.empty(size, dtype=torch.float32, device=packed.device)
+        self._all_gather(all_scales, server_scale.reshape(1))
+        out = _scaled_signs(all_signs, all_scales, size, chunk).reshape(-1)
         return out[:n].reshape(buffer_m.shape).to(buffer_m.dtype)
 
     def new_errors(self, numel: int, device=None):

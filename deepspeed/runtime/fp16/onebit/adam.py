@@ -5,7 +5,8 @@ and this is Adam (the same update as ``torch.optim.Adam``; ``AdamW`` with weight
 Compressed phase: the variance ``exp_avg_sq`` is frozen; each rank folds its *local*
 gradient into the momentum, and the momenta are averaged by the 1-bit compressed
 all-reduce with error feedback (:mod:`deepspeed.runtime.comm.compressed`), one
-compressed all-reduce per parameter group over the group's momenta laid end to end. The strategy does no gradient all-reduce in this phase.
+compressed all-reduce per parameter group over the group's momenta laid end to end.
+The strategy does no gradient all-reduce in this phase.
 
 Deviations from DeepSpeed's class, on purpose: DeepSpeed's first ``step()`` only
 allocates buffers and does not move the parameters, and it ignores
