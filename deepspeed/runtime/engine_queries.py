@@ -96,6 +96,22 @@ class EngineConfigQueries:
         return self.config_obj.model.sparse_gradients
 
     @property
+    def sparse_tensor_module_names(self) -> set:
+        """DeepSpeed's bookkeeping: ``"<name>.weight"`` of each Embedding/EmbeddingBag whose
+        gradient is reduced as a sparse tensor (empty unless ``sparse_gradients`` is on)."""
+        if not self.sparse_gradients_enabled():
+            return set()
+        return {f"{n}.weight" if n else "weight" for n, m in self.module.named_modules()
+                if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path, tag, expp_rank) -> str:
+        """DeepSpeed's name for an expert-parallel rank's optimizer file (tools build paths
+        with it): ``<path>/<tag>/expp_rank_<r>_mp_rank_XX_optim_states.pt``."""
+        import os
+        return os.path.join(str(checkpoints_path), str(tag),
+                            f"expp_rank_{expp_rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt")
+
+    @property
     def sparse_attention(self):
         """The parsed ``sparse_attention`` section (None when the config has none)."""
         return self.config_obj.model.sparse_attention
