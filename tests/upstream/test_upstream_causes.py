@@ -88,6 +88,10 @@ def test_config_rules_deepspeed_states(tmp_path):
 
     with pytest.raises(AssertionError, match="'old' is deprecated"):   # DeepSpeed asserts here
         Conf(new=1, old=2)
+    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+    assert get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled is True   # the older spelling
+    assert get_bfloat16_config({"bf16": {"enabled": True}}).enabled is True
+    assert get_float16_config({"fp16": {"loss_scale": 128}}).loss_scale == 128
 
 
 def test_accelerator_op_builders_and_engine_aliases():
