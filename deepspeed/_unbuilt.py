@@ -26,7 +26,6 @@ UNBUILT = {
     "deepspeed.module_inject": "kernel injection for inference",
     "deepspeed.model_implementations": "the inference model implementations",
     "deepspeed.elasticity": "elastic training",
-    "deepspeed.autotuning": "the autotuner",
     "deepspeed.runtime.swap_tensor": "ZeRO-Infinity NVMe swapping",
     "deepspeed.nvme": "NVMe performance tools",
     "deepspeed.runtime.hybrid_engine": "the hybrid (RLHF) engine",

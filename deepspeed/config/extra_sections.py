@@ -147,6 +147,7 @@ class AutotuningSection(FeatureSection):
     arg_mappings: Optional[Dict[str, str]] = None
     model_info: Optional[Dict[str, Any]] = None
     model_info_path: Optional[str] = None
+    metric_path: Optional[str] = None  # where an experiment writes its metric (set by the autotuner)
 
     @field_validator("metric", mode="before")
     @classmethod

@@ -22,7 +22,6 @@ from .errors import DeepSpeedConfigError, FeatureNotAvailableError
 # key -> feature name.
 UNBUILT_FEATURES: dict[str, str] = {
     "elasticity": "elastic training",
-    "autotuning": "the autotuner",
     "quantize_training": "quantization-aware training",
     "hybrid_engine": "the hybrid (RLHF) engine",
     "nebula": "Nebula checkpointing",

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank to the script")
     p.add_argument("--enable_each_rank_log", default=None, metavar="DIR",
                    help="write each rank's output to DIR/rank<N>.log")
+    p.add_argument("--autotuning", default="", choices=["tune", "run"],
+                   help="run the autotuner (deepspeed.autotuning) first: 'tune' writes the best configuration to "
+                        "the autotuning results_dir, 'run' then trains with it")
     p.add_argument("user_script", help="the training script (or module with --module)")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments for the training script")
     return p
@@ -232,6 +235,9 @@ def run(args) -> int:
     from ..utils.logging import logger
     active = resolve_resources(args)
     logger.info(f"active resources: {dict(active)}")
+    if getattr(args, "autotuning", ""):
+        from ..autotuning.autotuner import run_autotuning
+        return run_autotuning(args, active)
     if args.node_rank >= 0 and not args.no_ssh:
         raise ResourceError("--node_rank is only used with --no_ssh")
     if args.no_ssh or (len(active) == 1 and not args.force_multi):
