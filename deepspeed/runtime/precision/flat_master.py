@@ -50,6 +50,12 @@ from .streamed import STREAM_CHUNK, sliced_norms, staging_buffer, sum_of_squares
 
 _ACCUM = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
+
+class UnusedParametersError(RuntimeError, AssertionError):
+    """A parameter got no gradient in an accumulation window with
+    ``zero_optimization.ignore_unused_parameters`` false. DeepSpeed asserts there, so this is
+    an ``AssertionError`` (what its clients catch) as well as a ``RuntimeError``."""
+
 class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, TrainingStrategy, torch.optim.Optimizer):
     """Strategy + optimizer over flat fp32 master weights (see the module docstring)."""
 
@@ -310,7 +316,7 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         if boundary and not self.ignore_unused:
             missing = [s.name for s in self.slots if id(s) not in self._touched]
             if missing:
-                raise RuntimeError(
+                raise UnusedParametersError(
                     f"Parameters received no gradient in this accumulation window: {missing[:10]}"
                     f"{' ...' if len(missing) > 10 else ''}. Set zero_optimization.ignore_unused_parameters "
                     f"true to treat their gradients as zero, or freeze them (requires_grad=False).")
