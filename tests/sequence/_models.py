@@ -69,3 +69,29 @@ def reference_params(steps_data, lr, seed, extra_steps=0):
         opt.step()
         out.append({k: v.detach().clone() for k, v in m.state_dict().items()})
     return out
+
+
+class TiledNet(torch.nn.Module):
+    """input -> MLP (TiledMLP over 3 slices of the sequence when ``tiled``) -> head; loss inside."""
+
+    def __init__(self, tiled):
+        super().__init__()
+        self.tiled = tiled
+        self.inp = torch.nn.Linear(4, 8)
+        self.up = torch.nn.Linear(8, 32)
+        self.down = torch.nn.Linear(32, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    @staticmethod
+    def _mlp(m, t):
+        return m.down(torch.relu(m.up(t)))
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.tiled:
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+            h = TiledMLP.apply(TiledNet._mlp, self, h, 3, [self.up.weight, self.up.bias, self.down.weight,
+                                                            self.down.bias])
+        else:
+            h = self._mlp(self, h)
+        return self.head(h).pow(2).mean()

@@ -139,8 +139,9 @@ def _resume_body(rank, ws, ckpt_dir, data):
 
 def combined_body(rank, ws, ckpt_dir):
     """One spawned world of 2 for every fast check in tests/sequence (conftest's sp2_world)."""
-    from tests.sequence.test_ulysses_sp_hf import _hf_body
+    from tests.sequence.test_ulysses_sp_hf import _hf_body, check_tiled_under_zero
     out = _world_body(rank, ws, ckpt_dir)
+    out["tiled_zero"] = check_tiled_under_zero(rank, ws)   # plain data parallelism after the SP engines
     out["hf"] = _hf_body(rank, ws)   # replaces Transformers' sdpa in this process: last
     return out
 
@@ -218,3 +219,18 @@ def test_sp2_x_dp2_training_equals_plain_pytorch(stage):
     assert [i["sp_ranks"] for i in info] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [i["dp_ranks"] for i in info] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(i["dp_ws"] == 2 and i["sdp_ws"] == 4 and i["train_batch_size"] == 4 for i in info)
+
+
+def _sp4_body(rank, ws):
+    import torch.distributed as dist
+    return {"attention": _check_attention(rank, ws, dist.group.WORLD),
+            "cross_entropy": _check_cross_entropy(rank, ws, dist.group.WORLD)}
+
+
+@pytest.mark.slow
+def test_distributed_attention_at_sp4_matches_full_attention():
+    for r in run_distributed(_sp4_body, world_size=4, timeout=240):
+        a = r["attention"]
+        assert a["out"] < 1e-5 and a["xgrad"] < 1e-5 and a["wgrad"] < 1e-5, a
+        assert a["out_sbhd"] < 1e-6 and "sequence-parallel world size 4" in a["uneven"]
+        assert r["cross_entropy"]["loss"] < 1e-5 and r["cross_entropy"]["grad"] < 1e-6

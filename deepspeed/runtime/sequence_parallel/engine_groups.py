@@ -75,8 +75,12 @@ class SequenceParallelLayout:
 
 
 def sequence_parallel_layout(module, dp_group, dp_world_size: int, dp_rank: int) -> SequenceParallelLayout:
-    """The layout for an engine whose mpu is already set in :mod:`deepspeed.comm.groups`."""
-    sp = int(groups.get_sequence_parallel_world_size() or 1)
+    """The layout for an engine whose mpu is already set in :mod:`deepspeed.comm.groups`. Only an
+    mpu with sequence-parallel groups turns it on (groups created earlier in the process for
+    another engine do not)."""
+    from ...comm import groups as comm_groups
+    mpu = comm_groups.get_mpu()
+    sp = int(mpu.get_sequence_parallel_world_size()) if hasattr(mpu, "get_sequence_parallel_world_size") else 1
     if sp <= 1:
         return SequenceParallelLayout(None, 1, dp_group, dp_world_size, dp_rank, 1.0)
     if any(getattr(p, "allreduce", True) is False for p in module.parameters()):

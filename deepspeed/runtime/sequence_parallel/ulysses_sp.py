@@ -272,9 +272,39 @@ class UlyssesSPDataLoaderAdapter:
 # ---------------------------------------------------------------- tiled computation
 def _mark_grad_ready(params, ready: bool) -> None:
     """DeepSpeed's ``ds_grad_is_ready`` flag on the parameters a tiled backward touches once per
-    tile (ZeRO may use it to reduce a gradient only after its last tile)."""
+    tile (DeepSpeed's ZeRO reduces a gradient only after its last tile)."""
     for p in params or ():
         p.ds_grad_is_ready = ready
+
+
+class _TileGrads:
+    """Back-propagates tile after tile so that each of ``compute_params`` receives its gradient
+    **once**: the tiles before the last use ``torch.autograd.grad`` and keep the parameter
+    gradients here; before the last tile's ``backward`` they are added to ``.grad``, so the
+    post-accumulate hooks ZeRO reduces on fire once, with the whole gradient (reducing a
+    bucket after the first tile would miss the others). Without ``compute_params`` every tile
+    is an ordinary ``backward``."""
+
+    def __init__(self, params):
+        self.params = [p for p in (params or []) if p.requires_grad]
+        self.acc = [None] * len(self.params)
+
+    def backward(self, out, grad, inputs, last: bool):
+        """Back-propagate ``grad`` through ``out``; returns the gradients of ``inputs``."""
+        inputs = [t for t in inputs if t is not None and t.requires_grad]
+        if not self.params or last:
+            if last:
+                for p, a in zip(self.params, self.acc):
+                    if a is not None:
+                        p.grad = a if p.grad is None else p.grad.add_(a)
+                self.acc = [None] * len(self.params)
+            torch.autograd.backward(out, grad)
+            return [t.grad for t in inputs]
+        gs = torch.autograd.grad(out, inputs + self.params, grad, allow_unused=True)
+        for j, g in enumerate(gs[len(inputs):]):
+            if g is not None:
+                self.acc[j] = g if self.acc[j] is None else self.acc[j].add_(g)
+        return list(gs[:len(inputs)])
 
 
 class TiledMLP(torch.autograd.Function):
@@ -299,15 +329,16 @@ class TiledMLP(torch.autograd.Function):
         x_grad = torch.zeros_like(x) if ctx.needs_input_grad[2] else None
         xs = torch.chunk(x, chunks=ctx.shards, dim=-2)
         gs = torch.chunk(grad_out, chunks=ctx.shards, dim=-2)
-        off = 0
+        off, sink = 0, _TileGrads(ctx.compute_params)
         for i, (x_i, g_i) in enumerate(zip(xs, gs)):
-            _mark_grad_ready(ctx.compute_params, i + 1 == len(xs))
+            last = i + 1 == len(xs)
+            _mark_grad_ready(ctx.compute_params, last)
             x_i = x_i.detach().requires_grad_(x_grad is not None)
             with torch.enable_grad():
                 out = ctx.fn(ctx.self, x_i)
-            torch.autograd.backward(out, g_i)
+            got = sink.backward(out, g_i, [x_i], last)
             if x_grad is not None:
-                x_grad.narrow(-2, off, x_i.shape[-2]).copy_(x_i.grad)
+                x_grad.narrow(-2, off, x_i.shape[-2]).copy_(got[0])
             off += x_i.shape[-2]
         return None, None, x_grad, None, None
 
@@ -339,17 +370,18 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         x_grad = torch.zeros_like(xf) if need_x else None
         xs, ys = torch.chunk(xf, shards, dim=0), torch.chunk(yf, shards, dim=0)
         ms = torch.chunk(mf, shards, dim=0) if mf is not None else [None] * len(xs)
-        losses, off = [], 0
+        losses, off, sink = [], 0, _TileGrads(params)
         for i, (x_i, y_i, m_i) in enumerate(zip(xs, ys, ms)):
-            _mark_grad_ready(params, i + 1 == len(xs))
+            last = i + 1 == len(xs)
+            _mark_grad_ready(params, last)
             x_i = x_i.detach().requires_grad_(need_x)
             args = (self, x_i, y_i) + ((m_i,) if m_i is not None else ())
             with torch.enable_grad():
                 loss_i = fn(*args)
             if need_x or params:
-                torch.autograd.backward(loss_i, torch.full_like(loss_i, scale))
-            if need_x:
-                x_grad.narrow(0, off, x_i.shape[0]).copy_(x_i.grad)
+                got = sink.backward(loss_i, torch.full_like(loss_i, scale), [x_i], last)
+                if need_x:
+                    x_grad.narrow(0, off, x_i.shape[0]).copy_(got[0])
             off += x_i.shape[0]
             losses.append(loss_i.detach())
         stacked = torch.stack(losses)
@@ -425,8 +457,10 @@ class SequenceTiledCompute(torch.autograd.Function):
             grad = grad / ctx.n_out
         step = ctx.step
         n = src.shape[1]
+        sink = _TileGrads(ctx.params)
         for i in range(ctx.n_out):
-            _mark_grad_ready(ctx.params, i + 1 == ctx.n_out)
+            last = i + 1 == ctx.n_out
+            _mark_grad_ready(ctx.params, last)
             lo, hi = i * step, min((i + 1) * step, n)
             sl = {k: v[:, lo:hi] for k, v in ctx.to_shard.items()}
             sl[ctx.key] = sl[ctx.key].detach().requires_grad_(need)
@@ -438,9 +472,9 @@ class SequenceTiledCompute(torch.autograd.Function):
                 g = grad[i].reshape(out.shape)
             else:
                 g = grad.narrow(ctx.unshard_dim, lo, hi - lo).reshape(out.shape)
-            torch.autograd.backward(out, g)
+            got = sink.backward(out, g, [sl[ctx.key]], last)
             if need:
-                src_grad[:, lo:hi].copy_(sl[ctx.key].grad)
+                src_grad[:, lo:hi].copy_(got[0])
         outs = [None] * 9 + [None] * ctx.total_args
         outs[9 + ctx.key_index] = src_grad
         return tuple(outs)
