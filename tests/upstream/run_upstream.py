@@ -156,10 +156,39 @@ IN_SCOPE_OPS = ("ops/adam/test_cpu_adam.py", "ops/adam/test_adamw.py", "ops/adam
 # Failing tests explained: (regex on the node id or on the message, category, reason).
 # category "out_of_scope": needs CUDA / a compiled op / a feature with its own open issue;
 # category "deviation": pins a DeepSpeed internal or limitation we deliberately do not copy
-# (each one is listed with its reason in docs/api_surface.md, "DeepSpeed unit tests").
+# (each one is listed with its reason in docs/api_surface.md, "DeepSpeed unit tests");
+# category "remaining": a real gap, not closed yet (listed there too).
 KNOWN = [
-    (r"test_no_sync_ctxt\.py::.*zero_stage=(2|3)|test_no_sync_ctxt\.py::TestNoSyncCtxt::test_zero_stage_2_3",
-     "deviation", "no_sync() at ZeRO-2/3: DeepSpeed refuses it, we support it on purpose"),
+    # deliberate deviations (docs/api_surface.md, "DeepSpeed unit tests")
+    (r"test_no_sync_ctxt\.py::TestNoSyncCtxt::test_zero_stage\[[23]-", "deviation",
+     "no_sync() at ZeRO-2/3: DeepSpeed refuses it, we support it on purpose"),
+    (r"test_user_args\.py::test_add_export_with_special_characters", "deviation",
+     "exports are stored raw and quoted (shlex.quote) when the command is built, not stored pre-quoted"),
+    (r"has no attribute 'all_gather_coalesced'|MultipleAllGatherHandles|InsertPostInitMethodToModuleSubClasses"
+     r"|_external_params", "deviation", "pins ZeRO-3 internals (per-parameter gather methods, handle and "
+     "init-hook classes, the module's external-parameter dict); ours gathers through GatheredParameters/hooks"),
+    (r"_route_slots|_sparse_encode|_sparse_decode", "deviation",
+     "imports private helpers of DeepSpeed 0.19's sparse MoE dispatch; the module cannot be collected"),
+    (r"count_used_parameters_in_backward", "deviation", "pins a private helper of DeepSpeed's engine"),
+    (r"test_zero_hook_attribute_delegation\.py", "deviation",
+     "pins the attributes DeepSpeed's ZeRO-3 hooks leave on each module (pre_bwd_fn, applied_pre_backward_ref_cnt)"),
+    # features with their own open issue, or outside this package
+    (r"ZeROOrderedDict", "out_of_scope", "ZeRO-3 parameter access outside the module (issue 31 item 2, "
+     "another helper)"),
+    (r"deepspeed\.runtime\.zero\.tiling", "out_of_scope", "TiledLinear is not built"),
+    (r"deepspeed\.utils\.pin_memory", "out_of_scope", "DeepSpeed's native pinned-memory manager (compiled op) is "
+     "not built"),
+    (r"ds_to_universal|AUTOEP|autoep", "out_of_scope", "offline ds_to_universal conversion / AutoEP metadata "
+     "(our checkpoints are universal natively; AutoEP has its own issue)"),
+    (r"Tutel is not installed|TUTEL", "out_of_scope", "Tutel is not used"),
+]
+# real gaps found and not closed in this pass (kept here so the tables say so; not deviations)
+KNOWN += [
+    (r"safe_set_local_grad|safe_set_full_grad", "remaining", "deepspeed.utils.safe_set_{local,full}_grad not built"),
+    (r"set_z3_leaf_modules_by_name", "remaining", "deepspeed.utils.set_z3_leaf_modules_by_name not built"),
+    (r"deepspeed\.runtime\.torch_autocast", "remaining", "deepspeed.runtime.torch_autocast module not built"),
+    (r"deepspeed\.runtime\.checkpoint_engine", "remaining", "checkpoint engines (deepspeed.runtime.checkpoint_engine) "
+     "not built"),
 ]
 
 
@@ -317,12 +346,22 @@ def run_module(module: str, tests_dir: str, args, scratch: str) -> dict:
         with open(deselect_path, "w") as f:  # resume after the hung test(s)
             f.write("\n".join(list(record["tests"])) + "\n")
     record["seconds"] = round(time.time() - start, 1)
+    apply_known(record)
+    return record
+
+
+def apply_known(record: dict) -> None:
     for nodeid, t in record["tests"].items():
+        t.pop("known", None)
         if t["outcome"] in ("failed", "error", "hung"):
             category, reason = classify(nodeid, t["message"])
             if category:
                 t["known"] = {"category": category, "reason": reason}
-    return record
+    for e in record["collect_errors"]:
+        e.pop("known", None)
+        category, reason = classify(e["nodeid"], e["message"])
+        if category:
+            e["known"] = {"category": category, "reason": reason}
 
 
 def tally(record: dict) -> dict:
@@ -332,6 +371,7 @@ def tally(record: dict) -> dict:
         if "known" in t:
             c["known"] += 1
     c["collect_errors"] = len(record["collect_errors"])
+    c["known"] += sum(1 for e in record["collect_errors"] if "known" in e)
     return c
 
 
@@ -373,7 +413,20 @@ def main(argv=None):
     ap.add_argument("--workdir", help="scratch directory (default: a fresh temporary one)")
     ap.add_argument("--package-root", help="run against the deepspeed package in this directory instead of this "
                     "checkout's (e.g. a git worktree of an older commit, for a before/after comparison)")
+    ap.add_argument("--reclassify", metavar="JSON", help="re-apply KNOWN to a saved summary, rewrite it and print "
+                    "its table (runs nothing)")
     args = ap.parse_args(argv)
+    if args.reclassify:
+        with open(args.reclassify) as f:
+            summary = json.load(f)
+        for r in summary["modules"]:
+            apply_known(r)
+            r["counts"] = tally(r)
+        summary["total"] = print_table(summary["modules"])
+        print_not_passing(summary["modules"])
+        with open(args.reclassify, "w") as f:
+            json.dump(summary, f, indent=1)
+        return 0
     global OUR_PACKAGE
     if args.package_root:
         OUR_PACKAGE = os.path.join(os.path.abspath(args.package_root), "deepspeed")
@@ -410,17 +463,22 @@ def main(argv=None):
         _write_json(args.json, where, args, records, skipped_modules)
     print()
     total = print_table(records)
+    print_not_passing(records)
+    _write_json(args.json, where, args, records, skipped_modules, total)
+    print(f"\nJSON summary: {args.json}")
+    return 0
+
+
+def print_not_passing(records) -> None:
     print("\nnot passing:")
     for r in records:
         for e in r["collect_errors"]:
-            print(f"  COLLECT {e['nodeid']}: {e['message'][:200]}")
+            tag = f" [{e['known']['category']}: {e['known']['reason']}]" if "known" in e else ""
+            print(f"  COLLECT {e['nodeid']}: {e['message'][:200]}{tag}")
         for nodeid, t in r["tests"].items():
             if t["outcome"] in ("failed", "error", "hung"):
                 tag = f" [{t['known']['category']}: {t['known']['reason']}]" if "known" in t else ""
                 print(f"  {t['outcome'].upper():6} {nodeid}: {t['message'][:200]}{tag}")
-    _write_json(args.json, where, args, records, skipped_modules, total)
-    print(f"\nJSON summary: {args.json}")
-    return 0
 
 
 def _write_json(path, where, args, records, skipped_modules, total=None):
