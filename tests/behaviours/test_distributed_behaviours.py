@@ -47,6 +47,7 @@ def _reference(world_size, n_micro):
 
 def _no_sync_case(rank, world_size, stage):
     config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": 1, "steps_per_print": 0,
+              "gradient_clipping": 0.0,
               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage}}
     engine, *_ = deepspeed.initialize(model=make_model(), config=config)
     n_micro = 3

@@ -70,7 +70,7 @@ def _parity_body(rank, world, cases):
         data = batches(STEPS, world * extra.get("gradient_accumulation_steps", 1), MB, seed=len(name))
         clip = extra.get("gradient_clipping", 0.0)
         _, ref, ref_norms = reference_run(kw, data, LR, STEPS, opt="sgd", clip=clip)
-        engine = _engine(TinyMoEGPT(ep_size=ep, **kw), stage, world, extra)
+        engine = _engine(TinyMoEGPT(ep_size=ep, **kw), stage, world, {**extra, "gradient_clipping": clip})
         norms = _train(engine, data, rank, STEPS)
         got = gather_global_state(engine.module)
         tol = 3e-2 if "bf16" in extra else 1e-2 if "fp16" in extra else 2e-5   # 16-bit parameters

@@ -87,7 +87,7 @@ def test_every_scheduler_drives_the_optimizer(sched):
     scheduler's own sequence replayed on a plain optimizer."""
     from deepspeed.runtime.lr_schedules import build_lr_scheduler
     batches = global_batches(6, 4)
-    cfg = {"train_batch_size": 4, "gradient_accumulation_steps": 2, "steps_per_print": 0,
+    cfg = {"train_batch_size": 4, "gradient_accumulation_steps": 2, "steps_per_print": 0, "gradient_clipping": 0.0,
            "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}, "scheduler": sched}
     model = make_model()
     engine, opt, _, lr_sched = deepspeed.initialize(model=model, config=cfg)

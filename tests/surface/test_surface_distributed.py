@@ -55,7 +55,7 @@ def _train(rank, world, leaf: bool, dynamic: bool = False):
     if leaf:
         set_z3_leaf_modules(model, [Expertish])
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.0)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                  "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}}
     eng = deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0]

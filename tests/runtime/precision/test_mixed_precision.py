@@ -22,7 +22,7 @@ def _task(n_steps, batch=16, seed=3):
 
 
 def _cfg(prec, **fp16):
-    cfg = {"train_batch_size": 16, "steps_per_print": 0}
+    cfg = {"train_batch_size": 16, "steps_per_print": 0, "gradient_clipping": 0.0}
     if prec == "fp16":
         cfg["fp16"] = {"enabled": True, **fp16}
     elif prec == "bf16":

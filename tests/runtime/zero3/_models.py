@@ -88,7 +88,8 @@ def plain_reference(model, batches, lr, clip=0.0, weight_decay=0.0):
 def stage3_config(gas=1, mb=2, **zero):
     z = {"stage": 3, "stage3_param_persistence_threshold": 0}
     z.update(zero)
-    return {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": gas, "zero_optimization": z}
+    return {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": gas, "zero_optimization": z,
+            "gradient_clipping": 0.0}
 
 
 def train_engine(model, config, batches, rank, world_size, lr, weight_decay=0.0):
