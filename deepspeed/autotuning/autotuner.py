@@ -100,7 +100,10 @@ class Autotuner:
                                   f"{len(self.rm.nodes)} nodes available")
         self.records: List[dict] = []           # every experiment, in run order
         self.pruned: Dict[int, str] = {}        # stage -> why it was not run
-        self.model_info: Optional[dict] = None
+        given = self.autotuning_config.model_info or {}
+        complete = "num_params" in given and ("activation_mem_per_gpu" in given or "activation_mem_per_sample" in given)
+        #: from autotuning.model_info when it is complete, else measured by the profile run in tune()
+        self.model_info: Optional[dict] = dict(given) if complete else None
         self.gpu_mem: Optional[float] = None    # bytes per rank; measured in tune() unless set
         self.optimal_cmd: Optional[List[str]] = None
         self.optimal_ds_config: Optional[dict] = None
@@ -279,9 +282,8 @@ class Autotuner:
     # ------------------------------------------------------------------ the search
     def model_info_profile_run(self) -> dict:
         """The model's parameter count and activation bytes (from the config, else measured)."""
-        given = self.autotuning_config.model_info or {}
-        if "num_params" in given and ("activation_mem_per_gpu" in given or "activation_mem_per_sample" in given):
-            return dict(given)
+        if self.model_info is not None:
+            return self.model_info
         result_dir = os.path.join(self.results_dir, PROFILE_EXP_NAME)
         info_path = os.path.join(result_dir, "model_info.json")
         cfg = self._exp_config(0, 1)

@@ -128,6 +128,8 @@ class ResourceManager:
                     exp.update(results=old.get("results"), error=old.get("error"), reused=True,
                                duration_s=old.get("duration_s"))
                     self.finished_experiments[exp["exp_id"]] = (exp, exp["error"])
+                    if self.on_finish is not None:
+                        self.on_finish(exp, exp["results"], exp["error"])
                     continue
             self.experiment_queue.append(exp)
 
