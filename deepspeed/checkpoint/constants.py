@@ -71,3 +71,8 @@ CHECKPOINT_INFO_KEY = "checkpoint_info"
 ITERATION_KEY = "iteration"
 EMBEDDING_LAYER_INDEX = 0
 FINAL_LAYER_NORM_INDEX = -1
+
+# The model-states key where a checkpoint records its pipeline / tensor-parallel degrees.
+CHECKPOINT_PARALLEL_DIMS = "checkpoint_parallel_dimensions"
+CHECKPOINT_PP_DEGREE = "pp_degree"
+CHECKPOINT_TP_DEGREE = "tp_degree"

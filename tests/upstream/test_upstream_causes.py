@@ -284,3 +284,39 @@ def test_deepspeed_unit_test_causes_on_two_ranks(tmp_path):
     assert r0["legacy"]
     assert r0["fp16_kept"] == {"torch.float16"} and r0["fp16_values"] == 0.0
     assert {"rng_state_rank_0.pt", "rng_state_rank_1.pt"} <= set(os.listdir(tmp_path / "tags" / "tag-0"))
+
+
+def test_model_3d_desc_reshape_and_descriptor(tmp_path):
+    """DeepSpeed's reshape maps (old files numbered dp * (pp*tp) + pp * tp + tp) and the shape of a
+    tag directory read from checkpoint_parallel_dimensions or, without it, from the file counts."""
+    from deepspeed.checkpoint import get_model_3d_descriptor, model_3d_desc
+    src = model_3d_desc(pp_degree=2, tp_degree=2, dp_degree=2)
+    one = src.reshape(model_3d_desc(1, 1, 1))
+    assert len(one) == 1 and one[0].get_data(pp_index=0, tp_index=0) == [0, 4, 1, 5, 2, 6, 3, 7]
+    tp2 = src.reshape(model_3d_desc(pp_degree=1, tp_degree=2, dp_degree=2))
+    assert [[m.get_data(0, t) for t in range(2)] for m in tp2] == [[[0, 4], [1, 5]], [[2, 6], [3, 7]]]
+    pp2 = src.reshape(model_3d_desc(pp_degree=2, tp_degree=1, dp_degree=1))
+    assert [pp2[0].get_data(p, 0) for p in range(2)] == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    ok, why = src.can_reshape(model_3d_desc(4, 1, 1))
+    assert not ok and "PP: 2 ---> 4" in why[0]
+    with pytest.raises(ValueError, match="Expansion"):
+        src.reshape(model_3d_desc(1, 4, 1))
+
+    def layout(dims):
+        for f in tmp_path.iterdir():
+            f.unlink()
+        for mp, d in enumerate(dims):
+            state = {"param_shapes": [{}]} if d is None else {"param_shapes": [{}], "checkpoint_parallel_dimensions": d}
+            torch.save(state, tmp_path / f"mp_rank_{mp:02d}_model_states.pt")
+            for dp in range(2):
+                torch.save({}, tmp_path / f"bf16_zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt")
+        return get_model_3d_descriptor(str(tmp_path))
+
+    d = layout([None, None])   # no dimensions recorded: 2 model files -> tp 2, 4 zero files -> dp 2
+    assert (d.pp_degree, d.tp_degree, d.dp_degree) == (1, 2, 2)
+    d = layout([{"pp_degree": 2, "tp_degree": 1}] * 2)
+    assert (d.pp_degree, d.tp_degree, d.dp_degree) == (2, 1, 2)
+    with pytest.raises(RuntimeError, match="missing from model-state files"):
+        layout([{"pp_degree": 2, "tp_degree": 1}, None])
+    with pytest.raises(RuntimeError, match="disagrees"):
+        layout([{"pp_degree": 2, "tp_degree": 1}, {"pp_degree": 1, "tp_degree": 2}])
