@@ -237,10 +237,12 @@ __all__ += ["all_reduce_coalesced", "all_gather_coalesced", "reduce_scatter_coal
            "all_to_all"]
 
 
+# Collective failures named (deepspeed.comm.timeouts), under the logger's wrapper.
+from .timeouts import wrap_ops as _name_failures  # noqa: E402
+
+_name_failures(globals(), ("all_reduce_coalesced", "all_gather_coalesced", "reduce_scatter_coalesced"))
+
 # The communication logger wraps these ops too (see deepspeed.comm.comms_logging).
 from .comms_logging import wrap_ops as _wrap_ops  # noqa: E402
 
 _wrap_ops(globals())
-from .timeouts import wrap_ops as _name_failures  # noqa: E402
-
-_name_failures(globals(), ("all_reduce_coalesced", "all_gather_coalesced", "reduce_scatter_coalesced"))

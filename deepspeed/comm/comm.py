@@ -316,6 +316,17 @@ def new_group(ranks=None, timeout=None, backend=None):
     return dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
 
 
+# A collective that times out or loses a peer raises CollectiveTimeoutError naming the op and
+# the training step, from the call or from its async handle's wait() (deepspeed.comm.timeouts);
+# applied under the communication logger's wrapper, which must stay outermost (it names the caller).
+from .timeouts import CollectiveTimeoutError, wrap_ops as _name_failures  # noqa: E402,F401
+
+_name_failures(globals(), ("barrier", "monitored_barrier", "all_reduce", "reduce", "all_gather", "all_gather_object",
+                           "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+                           "broadcast_object_list", "all_to_all_single", "send", "recv", "isend", "irecv"))
+__all__ += ["CollectiveTimeoutError"]
+
+
 # The communication logger (deepspeed.comm.comms_logging) wraps every op above once;
 # while it is off each call costs one flag check. Keep this at the end of the file.
 from .comms_logging import configure, log_summary, comms_logger, wrap_ops as _wrap_ops  # noqa: E402,F401
@@ -323,11 +334,3 @@ from .comms_logging import configure, log_summary, comms_logger, wrap_ops as _wr
 _wrap_ops(globals())
 __all__ += ["configure", "log_summary", "comms_logger"]
 
-# A collective that times out or loses a peer raises CollectiveTimeoutError naming the op and
-# the training step, from the call or from its async handle's wait() (deepspeed.comm.timeouts).
-from .timeouts import CollectiveTimeoutError, wrap_ops as _name_failures  # noqa: E402,F401
-
-_name_failures(globals(), ("barrier", "monitored_barrier", "all_reduce", "reduce", "all_gather", "all_gather_object",
-                           "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
-                           "broadcast_object_list", "all_to_all_single", "send", "recv", "isend", "irecv"))
-__all__ += ["CollectiveTimeoutError"]

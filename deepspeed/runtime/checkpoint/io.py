@@ -40,13 +40,18 @@ _writers_lock = threading.Lock()
 _active_writers: dict = {}   # abspath of a temporary tag directory -> its CheckpointWriter
 
 
-class CheckpointWriteError(CheckpointError):
-    """A checkpoint file could not be written (``path``, ``errno``)."""
+class CheckpointWriteError(CheckpointError, OSError):
+    """A checkpoint file could not be written (``path``, ``errno``). Also an ``OSError``, so
+    code catching the file system's error keeps working."""
 
     def __init__(self, msg: str, path: str = "", errno=None):
-        super().__init__(msg)
-        self.path = path
+        RuntimeError.__init__(self, msg)
+        self.msg, self.path, self.filename = msg, path, path
         self.errno = errno
+        self.strerror = os.strerror(errno) if errno else None
+
+    def __str__(self) -> str:
+        return self.msg
 
 
 _HINTS = {
@@ -306,13 +311,11 @@ def load_file(path: str, map_location="cpu", mmap: bool = False, verify=None):
         raise CheckpointError(f"Checkpoint file '{path}' is missing{_manifest.missing_note(d, n)}; the checkpoint "
                               f"is incomplete.")
     if verify is None or verify:
-        def unverified(p):
-            return load_file(p, mmap=True, verify=False)
         if verify:
             with _manifest.set_checkpoint_verification(True):
-                _manifest.verify_file(path, unverified)
+                _manifest.verify_file(path, _load_unverified)
         else:
-            _manifest.verify_file(path, unverified)
+            _manifest.verify_file(path, _load_unverified)
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -329,6 +332,11 @@ def load_file(path: str, map_location="cpu", mmap: bool = False, verify=None):
             f"Could not load checkpoint file '{path}' with torch.load(weights_only=True): {err}. Checkpoint "
             f"files may only hold tensors, plain Python containers/numbers/strings (client_state included) "
             f"and these types: {allowed_names()}.") from None
+
+
+def _load_unverified(path: str):
+    """For naming the tensors of a file that failed verification."""
+    return load_file(path, mmap=True, verify=False)
 
 
 def _load_mapped_noreserve(path: str):
@@ -362,6 +370,8 @@ class CheckpointReader:
             raise CheckpointError(
                 f"Checkpoint directory '{self.path}' does not exist (load_dir='{load_dir}', tag='{tag}').{named}")
         _manifest.check_complete(self.path)
+        if verify is not False:   # checksums of later files overlap with loading the first ones
+            _manifest.prefetch(self.path, _load_unverified)
 
     def exists(self, name: str) -> bool:
         return os.path.isfile(os.path.join(self.path, name))

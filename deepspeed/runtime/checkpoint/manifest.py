@@ -220,12 +220,14 @@ def _who(man: dict, name: str) -> str:
 
 
 def check_complete(directory: str, names: Optional[Iterable[str]] = None) -> None:
-    """Raise if a file the manifest lists (all of them, or those in ``names``) is missing,
-    naming the file, the rank that wrote it and the world size."""
+    """Raise if a file the manifest lists (every ``.pt`` file, or those in ``names``) is
+    missing, naming the file, the rank that wrote it and the world size."""
     man = read_manifest(directory)
     if man is None:
         return
-    wanted = man["files"] if names is None else [n for n in names if n in man["files"]]
+    # all the tag's data files (a removed zero_to_fp32.py script does not make it incomplete)
+    wanted = [n for n in man["files"] if n.endswith(".pt")] if names is None else \
+        [n for n in names if n in man["files"]]
     missing = [n for n in wanted if not os.path.isfile(os.path.join(directory, n))]
     if missing:
         lines = "; ".join(f"'{n}' ({_who(man, n)})" for n in missing)
@@ -269,12 +271,53 @@ def file_crcs(path: str, chunk: int = CHUNK_BYTES) -> List[int]:
     return _crc_ranges(path, os.path.getsize(path), chunk)
 
 
+_prefetch_pool: Optional[ThreadPoolExecutor] = None
+_pending: Dict[str, object] = {}
+
+
+def prefetch(directory: str, loader=None) -> None:
+    """Start verifying every data file of a tag in the background (one file at a time, in name
+    order - model states first), so the checksums of the later files overlap with loading the
+    earlier ones; :func:`verify_file` then waits for a file's result instead of starting over."""
+    global _prefetch_pool
+    if not verification_enabled():
+        return
+    man = read_manifest(directory)
+    if man is None:
+        return
+    with _lock:
+        if _prefetch_pool is None:
+            _prefetch_pool = ThreadPoolExecutor(1, thread_name_prefix="ds_ckpt_verify")
+        for n in sorted(man["files"]):
+            path = os.path.join(os.path.abspath(directory), n)
+            if n.endswith(".pt") and path not in _pending and os.path.isfile(path):
+                _pending[path] = (_file_key(path), _prefetch_pool.submit(_verify_now, path, loader))
+
+
 def verify_file(path: str, loader=None) -> None:
     """Check ``path`` against its tag's manifest (no-op without one, or when verification
     is off, or when this unchanged file was verified before in this process). ``loader``
     (path -> object, weights-only, unverified) lets a mismatch name the changed tensors."""
     if not verification_enabled():
         return
+    with _lock:
+        pending = _pending.pop(os.path.abspath(path), None)
+    if pending is not None and pending[0] == _file_key(path):
+        pending[1].result()   # verified in the background (raises its CheckpointError here)
+        if _file_key(path) == pending[0]:   # and the file did not change meanwhile
+            return
+    _verify_now(path, loader)
+
+
+def _file_key(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _verify_now(path: str, loader=None) -> None:
     directory, name = os.path.split(os.path.abspath(path))
     man = read_manifest(directory)
     if man is None or name not in man["files"]:
