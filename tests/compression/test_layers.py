@@ -24,8 +24,20 @@ def test_recursive_get_and_set():
     assert model[0][0] is new
 
 
+class Conv1D(torch.nn.Module):
+    """Hugging Face GPT-2's Conv1D: a linear layer with its weight stored (in, out)."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = torch.nn.Parameter(torch.randn(nx, nf))
+        self.bias = torch.nn.Parameter(torch.randn(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+
 def test_conv1d_to_linear_computes_the_same():
-    from transformers.pytorch_utils import Conv1D
     model = torch.nn.Sequential(Conv1D(6, 4))  # nf=6 outputs, nx=4 inputs, weight (4, 6)
     x = torch.randn(3, 4)
     ref = model(x)
