@@ -15,7 +15,7 @@ def __getattr__(name):  # lazy, to keep ``import deepspeed.utils`` free of impor
     if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
                 "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
                 "safe_get_local_grad", "safe_get_local_optimizer_state", "safe_set_local_fp32_param",
-                "safe_set_local_optimizer_state"):
+                "safe_set_local_optimizer_state", "safe_set_full_grad", "safe_set_local_grad"):
         from . import tensor_fragment
         return getattr(tensor_fragment, name)
     raise AttributeError(f"module 'deepspeed.utils' has no attribute '{name}'")

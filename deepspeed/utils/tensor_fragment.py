@@ -12,8 +12,8 @@ implements them for stage 0 in 16-bit and stages 1/2; stage 3 provides its own):
 
     full_fp32_param(p) / full_grad(p) / full_optimizer_state(p, key)          # collective
     local_fp32_param(p) / local_grad(p) / local_optimizer_state(p, key)       # this rank's fragment
-    set_full_fp32_param(p, value) / set_full_optimizer_state(p, key, value)
-    set_local_fp32_param(p, value) / set_local_optimizer_state(p, key, value)
+    set_full_fp32_param(p, value) / set_full_optimizer_state(p, key, value) / set_full_grad(p, value)
+    set_local_fp32_param(p, value) / set_local_optimizer_state(p, key, value) / set_local_grad(p, value)
 
 ``full_*`` getters are collective at stages 1-3: every data-parallel rank must call
 them for the same parameter. Gradients are the averaged, unscaled gradients of the
@@ -106,3 +106,32 @@ def safe_set_local_optimizer_state(param, value, optim_state_key):
         raise ValueError("This parameter's optimizer state is not held by a deepspeed strategy "
                          "(fp32 at ZeRO stage 0): set it on engine.optimizer.state directly.")
     o.set_local_optimizer_state(param, optim_state_key, value)
+
+
+def safe_set_full_grad(param, value):
+    """Replace the gradient of ``param`` (a full tensor, the averaged unscaled gradient that
+    :func:`safe_get_full_grad` returns; every rank passes the same value). Valid between
+    ``engine.backward`` and ``engine.step``: the step uses it (clipping included)."""
+    o = _owner(param)
+    if o is None:
+        param.grad = value.detach().to(dtype=param.dtype, device=param.device).view_as(param).clone()
+        return
+    _setter(o, "set_full_grad")(param, value)
+
+
+def safe_set_local_grad(param, value):
+    """Replace this rank's fragment of the gradient of ``param`` (the shape
+    :func:`safe_get_local_grad` returns)."""
+    o = _owner(param)
+    if o is None:
+        param.grad = value.detach().to(dtype=param.dtype, device=param.device).reshape(param.shape).clone()
+        return
+    _setter(o, "set_local_grad")(param, value)
+
+
+def _setter(owner, name):
+    fn = getattr(owner, name, None)
+    if fn is None:
+        raise NotImplementedError(f"{type(owner).__name__} does not support {name.replace('set_', 'safe_set_')}() "
+                                  f"(the gradients of this configuration are not held where it can write them).")
+    return fn

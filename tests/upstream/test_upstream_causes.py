@@ -175,6 +175,15 @@ def _body(rank, ws, out_dir):
                           for params in opt.fp16_groups for p in params)
     out["avg_is_parts"] = all(torch.equal(opt.averaged_gradients[i][j].float(), parts[i][j])
                               for i in parts for j in parts[i])
+    # safe_set_full_grad / safe_set_local_grad write back what the getters return
+    from deepspeed.utils import safe_get_full_grad, safe_get_local_grad, safe_set_full_grad, safe_set_local_grad
+    b = model.layer1.bias
+    g = safe_get_full_grad(b)
+    safe_set_full_grad(b, 2 * g)
+    twice = safe_get_full_grad(b)
+    loc = safe_get_local_grad(b)
+    safe_set_local_grad(b, loc * 0.5)
+    out["set_grad_z3"] = (torch.allclose(twice, 2 * g), torch.allclose(safe_get_full_grad(b), g))
     eng.step()
     out["state_steps"] = [int(opt.optimizer.state[m]["step"]) for m in opt.fp32_partitioned_groups_flat]
     out["global_grad_norm_set"] = opt._global_grad_norm is not None
@@ -231,6 +240,20 @@ def _body(rank, ws, out_dir):
                                  for n in trained)
     dist.barrier()
 
+    # safe_set_full_grad at stage 2: the step uses the gradient written (SGD: p - lr * g)
+    lin = torch.nn.Linear(3, 2)
+    e2, _, _, _ = deepspeed.initialize(model=lin, config={"train_micro_batch_size_per_gpu": 1,
+                                       "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0,
+                                       "optimizer": {"type": "SGD", "params": {"lr": 0.5}}})
+    e2.backward(e2(torch.ones(1, 3)).sum())
+    w = e2.module.weight
+    before = w.detach().clone()
+    new_g = torch.arange(6, dtype=torch.float32).view(2, 3)
+    safe_set_full_grad(w, new_g)
+    got = safe_get_full_grad(w)
+    e2.step()
+    out["set_grad_z2"] = (torch.equal(got, new_g), torch.allclose(w.detach(), before - 0.5 * new_g))
+
     # tag validation: per-rank tags save one complete checkpoint under rank 0's tag (Warn and
     # Ignore); an empty save_dir is a ValueError on every rank, not a hang
     eng0, _, _, _ = deepspeed.initialize(model=torch.nn.Linear(3, 3), config={
@@ -273,6 +296,7 @@ def test_deepspeed_unit_test_causes_on_two_ranks(tmp_path):
         assert r["grad_err"] < 1e-6 and r["avg_is_parts"]
         assert r["state_steps"] == [1] and r["global_grad_norm_set"]
         assert r["detach_alive"] and r["released"]
+        assert r["set_grad_z3"] == (True, True) and r["set_grad_z2"] == (True, True)
         assert r["hooks"] == (True, 0, True, 36, True)
         assert r["tag_dirs"] == ["tag-0"]
         assert r["bad_dirs"] == ["ValueError", "ValueError"]

@@ -225,6 +225,21 @@ class FlatStateMixin:
             with torch.no_grad():
                 param.view(-1).narrow(0, f.param_start, f.numel).copy_(local)
 
+    def set_local_grad(self, param, value):
+        """This rank's reduced gradient fragment, given as :meth:`local_grad` returns it (averaged,
+        unscaled): stored back with the reduction's scaling."""
+        g, slot, f = self._slot_and_fragment(param)
+        if f is None:
+            return
+        post = self.predivide / self.average_over / self.scaler.cur_scale
+        frag = self._fragment_grad(g, f)
+        frag.copy_((value.detach().reshape(-1).float() / post).to(frag.dtype))
+
+    def set_full_grad(self, param, value):
+        g, slot, f = self._slot_and_fragment(param)
+        if f is not None:
+            self.set_local_grad(param, value.detach().reshape(-1).narrow(0, f.param_start, f.numel))
+
     def set_local_optimizer_state(self, param, key, value):
         g, slot, f = self._slot_and_fragment(param)
         if f is not None:

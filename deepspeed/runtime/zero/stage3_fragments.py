@@ -76,6 +76,21 @@ class Stage3StateAccess:
         return self._local(p, "state", key)
 
     # -- setters ---------------------------------------------------------------------------
+    def set_local_grad(self, p, value):
+        """This rank's gradient fragment, given unscaled (the loss scale is applied back)."""
+        if id(p) not in self.parts.slot:
+            return
+        c, off, k, _ = self._where(p)
+        if k > 0:
+            scale = self.scaler.loss_scale if self.fp16 else 1.0
+            c.grad[off:off + k].copy_(value.detach().reshape(-1)[:k].to(c.grad.dtype) * scale)
+
+    def set_full_grad(self, p, value):
+        if id(p) in self.parts.slot:
+            _, _, k, lo = self._where(p)
+            if k > 0:
+                self.set_local_grad(p, value.detach().reshape(-1)[lo:lo + k])
+
     def _sync_partition(self, p) -> None:
         """After this rank's master fragment changed: the param partition follows."""
         c, off, k, _ = self._where(p)
