@@ -1,5 +1,6 @@
 """``redundancy_clean``: the cleaned model computes what the masked model computed, with
 the pruned rows / heads / channels physically gone."""
+import pytest
 import torch
 
 from deepspeed.compression import compression_scheduler, init_compression, redundancy_clean
@@ -44,6 +45,10 @@ def test_bert_row_and_head_pruning_shrink_and_keep_outputs():
     x, _ = bert_batches(1, seed=3)[0]
     masked = model(x).detach()
     before = param_count(model)
+    layer0 = model.bert.encoder.layer[0]
+    kept_heads = layer0.attention.output.dense.get_mask("head").detach().view(-1).bool()
+    q_before = layer0.attention.self.query.weight.detach().clone().view(4, -1, HIDDEN)
+    o_before = layer0.attention.output.dense.weight.detach().clone().view(HIDDEN, 4, -1)
     redundancy_clean(model, cfg)
     torch.testing.assert_close(model(x), masked, rtol=1e-5, atol=1e-6)
     for layer in model.bert.encoder.layer:
@@ -53,6 +58,10 @@ def test_bert_row_and_head_pruning_shrink_and_keep_outputs():
             assert proj.weight.shape == (HIDDEN // 2, HIDDEN) and proj.bias.shape == (HIDDEN // 2,)
         assert layer.attention.output.dense.weight.shape == (HIDDEN, HIDDEN // 2)
         assert not any("scores" in n or "mask" in n for n, _ in layer.named_parameters())
+    # whole heads: Q keeps exactly the kept heads' rows, the output matrix their columns
+    torch.testing.assert_close(layer0.attention.self.query.weight, q_before[kept_heads].reshape(-1, HIDDEN))
+    torch.testing.assert_close(layer0.attention.output.dense.weight,
+                               o_before[:, kept_heads].reshape(HIDDEN, -1))
     # removed per layer: half the intermediate rows (+bias) and output columns, half of Q/K/V (+bias)
     # and of the output matrix's columns; minus the scores (row: INTER, head: 4) that are gone too
     per_layer = (INTER // 2) * HIDDEN * 2 + INTER // 2 + 3 * (HIDDEN // 2 * HIDDEN + HIDDEN // 2) \
@@ -62,10 +71,11 @@ def test_bert_row_and_head_pruning_shrink_and_keep_outputs():
     assert model.classifier.weight.unique().numel() <= 16
 
 
-def test_cnn_channel_pruning_with_batch_norm():
+@pytest.mark.parametrize("method", ["l1", "topk"])
+def test_cnn_channel_pruning_with_batch_norm(method):
     torch.manual_seed(0)
     cfg = {"compression_training": {"channel_pruning": {
-        "shared_parameters": {"enabled": True, "method": "l1"},
+        "shared_parameters": {"enabled": True, "method": method},
         "different_groups": {"cp1": {"params": {"dense_ratio": 0.5}, "modules": ["conv1"],
                                      "related_modules": [["conv2", "bn1"]]}}}}}
     model = SmallCNN()
