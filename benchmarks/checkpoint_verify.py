@@ -49,6 +49,7 @@ def checksum_speeds(nbytes: int = 256 << 20) -> dict:
     mv = memoryview(buf)
     cands = {
         "zlib.crc32": lambda: zlib.crc32(mv),
+        "isal.isal_zlib.crc32 (same values as zlib.crc32)": lambda: _isal_crc32()(mv),
         "zlib.adler32": lambda: zlib.adler32(mv),
         "hashlib.blake2b": lambda: hashlib.blake2b(mv, digest_size=16).digest(),
         "hashlib.sha1": lambda: hashlib.sha1(mv).digest(),
@@ -64,6 +65,14 @@ def checksum_speeds(nbytes: int = 256 << 20) -> dict:
             times.append(time.perf_counter() - t0)
         out[name] = round(nbytes / statistics.median(times) / 1e9, 2)
     return out
+
+
+def _isal_crc32():
+    try:
+        from isal.isal_zlib import crc32
+        return crc32
+    except ImportError:
+        return lambda b: None
 
 
 class _PassThrough:
@@ -149,7 +158,7 @@ def main(argv=None) -> dict:
     out = {
         "config": {"params": n_params(model), "d": args.d, "layers": args.layers, "zero_stage": 2, "dtype": "fp32",
                    "optimizer": "Adam", "world_size": 1, "runs": args.runs, "tag_bytes": tag_bytes,
-                   "checksum": manifest.CHECKSUM, "chunk_bytes": manifest.CHUNK_BYTES, "torch": torch.__version__,
+                   "checksum": manifest.CHECKSUM, "crc_impl": manifest.CRC_IMPL, "chunk_bytes": manifest.CHUNK_BYTES, "torch": torch.__version__,
                    "cpus": os.cpu_count(), "page_cache": "warm (just written)"},
         **{k: round(v, 3) for k, v in med.items()},
         "save_overhead": round(med["save_s"] / med["save_plain_s"] - 1, 3),

@@ -140,8 +140,7 @@ def atomic_write_text(path: str, text: str, sync_dir: bool = True) -> None:
         _fsync_dir(os.path.dirname(path) or ".")
     if _active_writers:
         data = text.encode("utf-8")
-        import zlib
-        _record(path, _manifest.entry(len(data), [zlib.crc32(data)], {}, *_rank_world()))
+        _record(path, _manifest.entry(len(data), [_manifest.crc32(data)], {}, *_rank_world()))
 
 
 def _rank_world():
