@@ -55,6 +55,8 @@ class DeepSpeedConfigModel(DSConfigModel):
     # Ulysses sequence parallelism (deepspeed.runtime.sequence_parallel): ranks per sequence;
     # the batch-size arithmetic uses world / sequence_parallel_size data-parallel ranks.
     sequence_parallel_size: int = Field(1, ge=1)
+    # DeepSpeed's device-mesh form: with sequence_parallel_size, dp x sp must be the world size
+    data_parallel_size: Optional[int] = Field(None, ge=1)
     sparse_gradients: bool = False
     disable_allgather: bool = False
     zero_allow_untested_optimizer: bool = True

@@ -58,7 +58,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         engine_cls, mpu = PipelineEngine, StageMpu(model.mpu())
     from ..comm import groups
     from .sequence_parallel.engine_groups import resolve_sequence_parallel_mpu
-    mpu = resolve_sequence_parallel_mpu(mpu, source)  # "sequence_parallel_size": the batch counts dp ranks only
+    # "sequence_parallel_size" (or mesh_param=(dp, sp)): the batch counts dp ranks only
+    mpu = resolve_sequence_parallel_mpu(mpu, source, mesh_param=mesh_param)
     ds_config = DeepSpeedConfig(source, mpu=mpu, world_size=groups.get_data_parallel_world_size(mpu))
     if ds_config.optimizer is not None:
         from .optimizers import validate_optimizer_config

@@ -118,6 +118,10 @@ def _world_body(rank, ws, ckpt_dir):
     out["attention"] = _check_attention(rank, ws, group)
     out["cross_entropy"] = _check_cross_entropy(rank, ws, group)
     out["train3"] = _train(rank, ws, 2, 3, data, save_dir=ckpt_dir)
+    import deepspeed
+    eng, *_ = deepspeed.initialize(model=M.TinyAttnLM(), mesh_param=(1, 2),
+                                   config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam"}})
+    out["mesh"] = (eng.sequence_parallel_size, eng.dp_world_size, eng.seq_dp_world_size, eng.train_batch_size())
     return out
 
 
@@ -174,6 +178,7 @@ def test_sp2_training_equals_plain_pytorch(sp2_world, stage):
     assert res[0][f"train{stage}"]["losses"] == pytest.approx(res[1][f"train{stage}"]["losses"], abs=1e-6)
     info = [r[f"train{stage}"]["info"] for r in res]
     assert [i["sp_rank"] for i in info] == [0, 1]
+    assert all(r["mesh"] == (2, 1, 2, 2) for r in res)   # mesh_param=(dp=1, sp=2)
     for i in info:
         assert i["sp_ws"] == 2 and i["dp_ws"] == 1 and i["sdp_ws"] == 2 and i["engine_dp_ws"] == 1
         assert i["engine_sp_group_is_group"] and i["train_batch_size"] == 2 and i["sp_ranks"] == [0, 1]
@@ -199,6 +204,14 @@ def test_config_key_validation():
     assert _get_sequence_parallel_ranks(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]], [0, 1, 2, 3])
     with pytest.raises(ValueError, match="must divide the world size 4"):
         _get_sequence_parallel_ranks(4, 3)
+    from deepspeed.runtime.sequence_parallel.engine_groups import resolve_sequence_parallel_mpu
+    with pytest.raises(DeepSpeedConfigError, match="data_parallel_size 2 x sequence_parallel_size 2 = 4 must equal "
+                                                   "the world size 1"):
+        resolve_sequence_parallel_mpu(None, {"data_parallel_size": 2, "sequence_parallel_size": 2})
+    with pytest.raises(ValueError, match="mesh_param must be"):
+        resolve_sequence_parallel_mpu(None, {}, mesh_param=3)
+    with pytest.raises(ValueError, match="mesh_param .* has sequence_parallel_size 1"):
+        resolve_sequence_parallel_mpu(None, {"sequence_parallel_size": 2}, mesh_param=(2, 1))
 
 
 def _dp2_body(rank, ws, stage):

@@ -23,28 +23,53 @@ from ...utils import groups
 CONFIG_KEY = "sequence_parallel_size"
 
 
-def _config_sp_size(config) -> int:
-    """``sequence_parallel_size`` from a config dict, path or DeepSpeedConfig (1 when absent)."""
+def _positive(key, val) -> int:
+    if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+        from ...config.errors import DeepSpeedConfigError
+        raise DeepSpeedConfigError(f"Invalid value for '{key}': {val!r}. It must be a positive integer; "
+                                   f"data_parallel_size x sequence_parallel_size must equal the world size.")
+    return val
+
+
+def _config_sizes(config):
+    """(``sequence_parallel_size``, ``data_parallel_size`` or None) from a config dict, path or
+    DeepSpeedConfig."""
     if config is None:
-        return 1
+        return 1, None
     raw = getattr(config, "raw", None)
     if raw is None:
         from ...config.ds_config import load_config_source
         raw = load_config_source(config) if not isinstance(config, dict) else config
-    val = raw.get(CONFIG_KEY, 1) if isinstance(raw, dict) else 1
-    if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-        from ...config.errors import DeepSpeedConfigError
-        raise DeepSpeedConfigError(f"Invalid value for '{CONFIG_KEY}': {val!r}. It must be a positive integer "
-                                   f"that divides the world size (1 turns sequence parallelism off).")
-    return val
+    if not isinstance(raw, dict):
+        return 1, None
+    sp = _positive(CONFIG_KEY, raw.get(CONFIG_KEY, 1))
+    dp = raw.get("data_parallel_size")
+    return sp, (_positive("data_parallel_size", dp) if dp is not None else None)
 
 
-def resolve_sequence_parallel_mpu(mpu, config):
-    """The mpu the engine should use. With ``sequence_parallel_size`` > 1 in the config and no
-    mpu, the sequence-parallel groups are created and DeepSpeed's ``parallel_state_sp`` mpu is
-    returned; an mpu that already provides sequence parallelism (the one
-    ``UlyssesSPAttentionHF.register_with_transformers`` returns) must agree with the config."""
-    sp = _config_sp_size(config)
+def resolve_sequence_parallel_mpu(mpu, config, mesh_param=None):
+    """The mpu the engine should use. With ``sequence_parallel_size`` > 1 in the config (or
+    ``deepspeed.initialize(mesh_param=(data_parallel_size, sequence_parallel_size))``, DeepSpeed's
+    device-mesh form) and no mpu, the sequence-parallel groups are created and DeepSpeed's
+    ``parallel_state_sp`` mpu is returned; an mpu that already provides sequence parallelism (the
+    one ``UlyssesSPAttentionHF.register_with_transformers`` returns) must agree with the config."""
+    sp, dp = _config_sizes(config)
+    if mesh_param is not None:
+        try:
+            m_dp, m_sp = (int(v) for v in mesh_param)
+        except (TypeError, ValueError):
+            raise ValueError(f"deepspeed.initialize: mesh_param must be (data_parallel_size, sequence_parallel_size), "
+                             f"got {mesh_param!r}.") from None
+        if sp > 1 and sp != m_sp:
+            raise ValueError(f"deepspeed.initialize: mesh_param {tuple(mesh_param)} has sequence_parallel_size {m_sp} "
+                             f"but the config's '{CONFIG_KEY}' is {sp}.")
+        sp, dp = m_sp, m_dp
+    if dp is not None and mpu is None:
+        world = groups._world()
+        if dp * sp != world:
+            from ...config.errors import DeepSpeedConfigError
+            raise DeepSpeedConfigError(f"data_parallel_size {dp} x sequence_parallel_size {sp} = {dp * sp} must equal "
+                                       f"the world size {world}.")
     has_sp = mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size")
     if has_sp:
         have = int(mpu.get_sequence_parallel_world_size())
