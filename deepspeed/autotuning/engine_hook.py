@@ -11,10 +11,11 @@ true (the autotuner writes that into every experiment's config):
   ``end_profile_step + 1``, DeepSpeed's exit point) rank 0 writes ``metric_path``
   (default ``./autotuning_metric.json``) and every rank exits with status 0. The file
   holds ``latency`` (ms per optimizer step, the window's mean), ``throughput``
-  (``train_batch_size`` samples per second) and ``flops`` (= ``FLOPS_per_gpu``: this rank's
-  floating-point operations per second, 3x the forward FLOPs counted by
-  ``torch.utils.flop_counter`` on the first micro-batch, as DeepSpeed's engine takes
-  forward + backward as 3x forward).
+  (``train_batch_size`` samples per second) and, when ``autotuning.metric`` is ``flops``,
+  ``flops`` (= ``FLOPS_per_gpu``: this rank's floating-point operations per second, 3x the
+  forward FLOPs counted by ``torch.utils.flop_counter`` on the first micro-batch, as
+  DeepSpeed's engine takes forward + backward as 3x forward; counted only then because the
+  counter's first use costs seconds of start-up).
 * **model-info run** (``autotuning.model_info.profile: true``) - on the first training
   micro-batch it counts the parameters and the bytes of the tensors the forward saves for
   backward (the activation memory, parameters excluded), writes ``model_info_path``
@@ -57,6 +58,7 @@ class AutotuningProbe(EngineFeature):
         self.metric_path = section.metric_path or os.path.join(os.getcwd(), "autotuning_metric.json")
         self.model_info_path = section.model_info_path or os.path.join(os.getcwd(), "autotuning_model_info.json")
         self.profile_model_info = bool(section.model_info and section.model_info.get("profile", False))
+        self.count_flops = section.metric == "flops"
         self.t_prev = None
         self.durations = []
         self.fwd_flops = None
@@ -70,7 +72,7 @@ class AutotuningProbe(EngineFeature):
             self.t_prev = time.perf_counter()
         if self.profile_model_info and self._saved_ctx is None:
             self._count_saved_tensors(engine)
-        elif self.fwd_flops is None and self._flop_mode is None and not self.profile_model_info:
+        elif self.count_flops and self.fwd_flops is None and self._flop_mode is None:
             from torch.utils.flop_counter import FlopCounterMode
             self._flop_mode = FlopCounterMode(display=False)
             self._flop_mode.__enter__()
@@ -103,9 +105,10 @@ class AutotuningProbe(EngineFeature):
                                f"[start_profile_step={self.start}, end_profile_step={self.end}]")
         mean_s = sum(self.durations) / len(self.durations)
         gas = engine.gradient_accumulation_steps()
-        flops = 3.0 * (self.fwd_flops or 0) * gas / mean_s
-        return {"latency": mean_s * 1000.0, "throughput": engine.train_batch_size() / mean_s, "flops": flops,
-                "FLOPS_per_gpu": flops, "step_times_s": self.durations, "train_batch_size": engine.train_batch_size(),
+        out = {"latency": mean_s * 1000.0, "throughput": engine.train_batch_size() / mean_s}
+        if self.fwd_flops is not None:
+            out["flops"] = out["FLOPS_per_gpu"] = 3.0 * self.fwd_flops * gas / mean_s
+        return {**out, "step_times_s": self.durations, "train_batch_size": engine.train_batch_size(),
                 "train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
                 "gradient_accumulation_steps": gas, "world_size": engine.world_size,
                 "start_profile_step": self.start, "end_profile_step": self.end}

@@ -32,7 +32,8 @@ def _train(engine, steps, mbs):
 def test_metric_file_is_written_after_the_window_and_the_run_stops(tmp_path):
     path = tmp_path / "metrics.json"
     mbs, gas = 3, 2
-    eng = _engine({"start_profile_step": 1, "end_profile_step": 3, "metric_path": str(path)}, mbs=mbs, gas=gas)
+    eng = _engine({"start_profile_step": 1, "end_profile_step": 3, "metric_path": str(path), "metric": "flops"},
+                  mbs=mbs, gas=gas)
     with pytest.raises(SystemExit) as stop:
         _train(eng, 10, mbs)
     assert stop.value.code == 0
