@@ -27,6 +27,12 @@ class CollectiveTimeoutError(RuntimeError):
     """A collective did not complete: a peer stalled past the timeout, or died."""
 
 
+def mark_failed() -> None:
+    """Note that a collective of this process failed (raised by a caller's own error type)."""
+    global _failed
+    _failed = True
+
+
 def failed() -> bool:
     """Whether this process saw a collective fail (its process group is unusable)."""
     return _failed

@@ -38,6 +38,11 @@ class ZeroRankMismatchError(RuntimeError):
     """Data-parallel ranks issued different ZeRO-3 collectives (their control flow diverged)."""
 
 
+class ZeroCollectiveTimeoutError(ZeroRankMismatchError, ds_comm.CollectiveTimeoutError):
+    """A ZeRO-3 collective did not complete on every rank (a peer stalled past the timeout,
+    died, or waits elsewhere): both a rank mismatch and a collective failure."""
+
+
 def digest(ids) -> int:
     """A deterministic 62-bit digest of a sequence of parameter ids (same on every process)."""
     h = 1469598103934665603
@@ -102,9 +107,11 @@ class CheckedComm:
         try:
             _all_gather_1(out, hdr, group=self.header_group)
         except RuntimeError as err:   # a peer died, or waits in a collective that is not ZeRO-3's
-            raise ZeroRankMismatchError(
+            from ...comm.timeouts import mark_failed, step_text
+            mark_failed()   # the group is broken: the exit hook leaves at once
+            raise ZeroCollectiveTimeoutError(
                 f"ZeRO stage 3: collective #{self.seq} ({KIND_NAMES.get(kind, kind)}"
-                + (f" for {what}" if what else "") + ") did not complete on every data-parallel rank: "
+                + (f" for {what}" if what else "") + f") did not complete on every data-parallel rank{step_text()}: "
                 f"{err}\nAnother rank failed (see its log) or is blocked elsewhere - e.g. it left the training "
                 f"loop early, or entered save_checkpoint/a barrier while this rank was still in forward/backward. "
                 f"Every rank must run the same steps.") from err
