@@ -391,3 +391,38 @@ def _slow_body(rank, world, ckpt_dir):
 @pytest.mark.slow
 def test_onebit_16bit_and_resume_world2(tmp_path):
     run_distributed(_slow_body, world_size=2, args=(str(tmp_path),), timeout=600)
+
+
+def _save_body(rank, world, ckpt_dir):
+    eng = _engine("OneBitAdam", {"lr": 1e-2, "freeze_step": 2})
+    _train(eng, global_batches(4, _MB * world), rank, world)
+    assert eng.optimizer.errors
+    eng.save_checkpoint(ckpt_dir, tag="w")
+    return [p.detach().clone() for p in eng.module.parameters()]
+
+
+def _load_other_world_body(rank, world, ckpt_dir):
+    import logging
+    from deepspeed.utils.logging import logger
+    seen = []
+
+    class H(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+    logger.addHandler(H())
+    eng = _engine("OneBitAdam", {"lr": 1e-2, "freeze_step": 2}, seed=3)
+    eng.load_checkpoint(ckpt_dir, tag="w")
+    assert eng.optimizer.adam_freeze_key and not eng.optimizer.errors
+    assert any("error-feedback buffers are reset" in m for m in seen), seen
+    loaded = _params(eng)
+    _train(eng, global_batches(2, _MB * world, seed=9), rank, world)
+    _same_on_all_ranks(_params(eng), world)
+    return loaded
+
+
+@pytest.mark.slow
+def test_resume_at_another_world_size_resets_errors(tmp_path):
+    saved = run_distributed(_save_body, world_size=2, args=(str(tmp_path),), timeout=300)[0]
+    loaded = run_distributed(_load_other_world_body, world_size=4, args=(str(tmp_path),), timeout=300)[0]
+    for a, b in zip(saved, loaded):
+        assert torch.equal(a, b)

@@ -32,15 +32,16 @@ class OnebitAdam(OnebitOptimizerBase):
                  amsgrad=False, cuda_aware=False, comm_backend_name=None, group=None):
         if amsgrad:
             raise ValueError("1-bit Adam does not support the AMSGrad variant (optimizer.params.amsgrad).")
-        if int(freeze_step) != freeze_step or freeze_step < 0:
-            raise ValueError(f"optimizer.params.freeze_step must be a non-negative integer, got {freeze_step!r}.")
+        if isinstance(freeze_step, bool) or int(freeze_step) != freeze_step or freeze_step < 1:
+            raise ValueError(f"optimizer.params.freeze_step must be an integer >= 1 (the warm-up steps that "
+                             f"estimate the variance the compressed phase freezes), got {freeze_step!r}.")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         super().__init__(params, defaults, deepspeed=deepspeed, cuda_aware=cuda_aware,
                          comm_backend_name=comm_backend_name, group=group)
         self.freeze_step = int(freeze_step)
         self.eps_mode = 0 if eps_inside_sqrt else 1
-        self.adam_freeze_key = self.freeze_step == 0
+        self.adam_freeze_key = False
 
     @property
     def gradient_allreduce_needed(self) -> bool:

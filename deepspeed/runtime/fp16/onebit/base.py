@@ -157,6 +157,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self._load_extra_state(sd.get("extra", {}))
         if sd.get("world_size") != self.size:
             self.errors.clear()
+            self._load_rank_tensors({})   # rank-local tensors of another world do not apply
             logger.warning(f"{self.who}: checkpoint saved at data-parallel world size {sd.get('world_size')}, "
                            f"loading at {self.size}{where}: the error-feedback buffers are reset to zero.")
             return

@@ -150,7 +150,7 @@ class OnebitLamb(OnebitOptimizerBase):
             m = self.state[p]["exp_avg"]
             m.lerp_(p.grad, 1 - g["betas"][0]).mul_(self.coeffs[k]["scaling_coeff"])
         flat = torch.cat([self.state[p]["exp_avg"].reshape(-1) for _, _, p in live])
-        flat = self._compressed_average("flat", flat)
+        flat = self._compressed_average(f"flat:{flat.numel()}", flat)   # new live set, new errors
         off = 0
         for k, g, p in live:
             st = self.state[p]

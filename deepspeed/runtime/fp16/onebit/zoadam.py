@@ -111,6 +111,8 @@ class ZeroOneAdam(OnebitOptimizerBase):
 
     def _load_rank_tensors(self, tensors: dict) -> None:
         self.momentum_accumulator = {k[4:]: v.clone() for k, v in tensors.items() if k.startswith("acc.")}
+        if not self.momentum_accumulator:
+            self.lrs = {}   # nothing accumulated since the last sync (or another world size): start afresh
         with torch.no_grad():
             for k, _, p in self._param_keys():
                 if f"param.{k}" in tensors:
