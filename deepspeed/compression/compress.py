@@ -26,7 +26,7 @@ from .constants import (CHANNEL_PRUNING, DIFFERENT_GROUPS, DIFFERENT_GROUPS_MODU
                         DIFFERENT_GROUPS_PARAMETERS, DIFFERENT_GROUPS_RELATED_MODULE_SCOPE, HEAD_PRUNING,
                         LAYER_REDUCTION, ROW_PRUNING, SHARED_PARAMETERS, SPARSE_PRUNING, TECHNIQUES)
 from .helper import (RELATED_TYPES, TECHNIQUE_TYPES, compression_preparation, excluded, fix_compression,
-                     get_module_name, recursive_getattr)
+                     get_module_name, pattern_matches, recursive_getattr)
 from .snip import SnipMomentumPruner
 
 
@@ -39,14 +39,27 @@ def _unwrap(model):
     return model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
 
 
+def _no_match(technique, group_name, model, patterns, types, what="modules"):
+    candidates = [n for n, m in model.named_modules() if n and isinstance(m, types)][:8]
+    shown = patterns[0] if len(patterns) == 1 else patterns
+    return ValueError(f"compression_training.{technique}.different_groups.{group_name}.{what}: pattern "
+                      f"{shown!r} matches no {'/'.join(t.__name__ for t in types)} module of the model (some "
+                      f"that would: {candidates}). Patterns are regular expressions searched in module names; "
+                      f"'*' matches all.")
+
+
 def _match(technique, group_name, model, pattern, seen, mpu, types, what="modules"):
+    """Modules of ``types`` matching ``pattern``. A pattern that matches no module name at all
+    is an error (a typo); one that matches only modules the technique does not apply to (a
+    custom layer, a container) is logged and skipped, as DeepSpeed skips it. A related
+    pattern must match."""
     names, seen = get_module_name(group_name, model, pattern, seen, mpu=mpu, types=types)
-    if not names and pattern != "*":
-        candidates = [n for n, m in model.named_modules() if n and isinstance(m, types)][:8]
-        raise ValueError(f"compression_training.{technique}.different_groups.{group_name}.{what}: pattern "
-                         f"{pattern!r} matches no {'/'.join(t.__name__ for t in types)} module of the model "
-                         f"(some that would: {candidates}). Patterns are regular expressions searched in module "
-                         f"names; '*' matches all.")
+    if names or pattern == "*":
+        return names, seen
+    if what != "modules" or not any(pattern_matches(pattern, n) for n, _ in model.named_modules() if n):
+        raise _no_match(technique, group_name, model, [pattern], types, what)
+    logger.warning(f"compression_training.{technique}.different_groups.{group_name}.{what}: pattern {pattern!r} "
+                   f"matches only modules that are not {'/'.join(t.__name__ for t in types)}; skipped.")
     return names, seen
 
 
@@ -82,6 +95,9 @@ def get_compress_methods(model, compress_methods, mpu=None):
                 module_lists.append(names)
                 if related is None:
                     continue
+                if not names:  # nothing to prune for this pattern, so nothing related either
+                    related_lists.append([[] for _ in related[i]])
+                    continue
                 if technique not in RELATED_TYPES:
                     raise ValueError(f"compression_training.{technique}: related_modules applies only to row, head "
                                      f"and channel pruning.")
@@ -109,9 +125,11 @@ def _snip_targets(model, sp, mpu):
     if sp[DIFFERENT_GROUPS]:
         names, seen = [], set()
         for group_name, group in sp[DIFFERENT_GROUPS].items():
+            group_names = []
             for pattern in group[DIFFERENT_GROUPS_MODULE_SCOPE]:
                 got, seen = _match(SPARSE_PRUNING, group_name, model, pattern, seen, mpu, types)
-                names += got
+                group_names += got
+            names += group_names
     else:
         names = [n for n, m in model.named_modules() if n and isinstance(m, types)]
     names = [n for n in names if not excluded(n, shared["excluded_modules"])]

@@ -129,6 +129,12 @@ def test_refusals_name_the_cause():
                            "different_groups": {"rp": {"modules": ["no_such_module"]}}}}
     with pytest.raises(ValueError, match="'no_such_module' matches no Linear"):
         init_compression(BertClassifier(), _config(bad))
+    # a pattern naming modules the technique does not apply to (here LayerNorms) is skipped, as in
+    # DeepSpeed, whose configs list patterns for several model families
+    partly = {"row_pruning": {"shared_parameters": {"enabled": True},
+                              "different_groups": {"rp": {"modules": ["LayerNorm", "intermediate.dense"]}}}}
+    model = init_compression(BertClassifier(), _config(partly))
+    assert model.bert.encoder.layer[1].intermediate.dense.row_pruning_method == "l1"
     wrong_pairing = {"row_pruning": {"shared_parameters": {"enabled": True},
                                      "different_groups": {"rp": {"modules": ["intermediate.dense"],
                                                                  "related_modules": [["classifier"]]}}}}
