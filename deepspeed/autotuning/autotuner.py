@@ -40,6 +40,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from ..config.ds_config import load_config_source
 from ..config.errors import DeepSpeedConfigError
 from ..utils.logging import logger
 from .config import DeepSpeedAutotuningConfig
@@ -69,11 +70,7 @@ def _get_user_config(user_args: List[str]) -> Optional[dict]:
     path = user_args[idx]
     if not os.path.isfile(path):
         raise AutotuningError(f"autotuning: the DeepSpeed config file {path!r} does not exist")
-    with open(path) as fd:
-        try:
-            return json.load(fd)
-        except json.JSONDecodeError as err:
-            raise AutotuningError(f"autotuning: {path} is not valid JSON: {err}") from None
+    return load_config_source(path)   # JSON or hjson (comments), as the engine reads it
 
 
 class Autotuner:
