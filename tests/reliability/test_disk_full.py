@@ -163,8 +163,10 @@ print("SAME" if before == after else f"CHANGED {before} {after}")
 """
 
 
+@pytest.mark.slow
 def test_disk_full_file_size_limit(tmp_path):
-    """Where mounting is not allowed: EFBIG from a file-size limit while writing a rank file."""
+    """Where mounting is not allowed: EFBIG from a file-size limit while writing a rank file
+    (slow: the tmpfs test covers the same path where it can run)."""
     script = tmp_path / "fsize.py"
     script.write_text(_FSIZE_SCRIPT)
     save = str(tmp_path / f"ckpt-{uuid.uuid4().hex[:6]}")
