@@ -129,3 +129,43 @@ def test_data_parallel_ranks_prune_the_same_weights():
         assert torch.equal(masks[0][n], masks[1][n]), n
         m = masks[0][n].reshape(masks[0][n].size(0), -1, 4)
         assert torch.all(m.sum(-1) == 2), n  # 2:4 everywhere
+
+
+def _cnn_run(compression):
+    from tests.compression.models import SmallCNN
+    cfg = {"train_batch_size": 16, "steps_per_print": 0, "gradient_clipping": 0.0,
+           "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+    if compression:
+        cfg["compression_training"] = compression
+    torch.manual_seed(0)
+    model = SmallCNN()
+    if compression:
+        init_compression(model, cfg)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randn(16, 3, 6, 6, generator=g)
+        y = (x[:, 0].mean((1, 2)) > 0).long() + (x[:, 1].mean((1, 2)) > 0).long()
+        loss = torch.nn.functional.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return engine, losses, cfg
+
+
+@pytest.mark.parametrize("method", ["l1", "topk"])
+def test_cnn_channel_pruning_stays_near_the_uncompressed_run(method):
+    comp = {"channel_pruning": {"shared_parameters": {"enabled": True, "method": method, "schedule_offset": 5},
+                                "different_groups": _group({"dense_ratio": 0.5}, ["conv1"], [["conv2", "bn1"]])}}
+    engine, losses, cfg = _cnn_run(comp)
+    _, ref, _ = _cnn_run(None)
+    tail, ref_tail = sum(losses[-5:]) / 5, sum(ref[-5:]) / 5
+    assert tail < sum(losses[:3]) / 3 - 0.1, losses
+    assert tail - ref_tail < MARGIN, (losses, ref)
+    engine.eval()
+    x = torch.randn(4, 3, 6, 6)
+    masked = engine(x).detach()
+    redundancy_clean(engine.module, cfg)
+    assert engine.module.conv1.out_channels == 4 and engine.module.conv2.weight.shape[1] == 4
+    torch.testing.assert_close(engine.module(x), masked, rtol=1e-4, atol=1e-5)
