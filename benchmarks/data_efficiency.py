@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deepspeed  # noqa: E402
 from deepspeed.runtime.data_pipeline.data_routing import convert_to_random_ltd  # noqa: E402
 
-V, D, L, SEQ, BATCH = 64, 64, 4, 128, 8
+V, D, L, SEQ, BATCH = 64, 64, 4, 128, 4
 
 
 class Block(nn.Module):
@@ -147,7 +147,7 @@ def plot(results, path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--png", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs",
                                                   "measurements", "data_efficiency_loss_vs_tokens.png"))
     args = ap.parse_args()
