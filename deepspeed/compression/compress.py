@@ -23,8 +23,8 @@ import torch
 from ..utils.logging import logger
 from .config import _raw_config, get_compression_config, parse_compression_section
 from .constants import (CHANNEL_PRUNING, DIFFERENT_GROUPS, DIFFERENT_GROUPS_MODULE_SCOPE,
-                        DIFFERENT_GROUPS_PARAMETERS, DIFFERENT_GROUPS_RELATED_MODULE_SCOPE, HEAD_PRUNING,
-                        LAYER_REDUCTION, ROW_PRUNING, SHARED_PARAMETERS, SPARSE_PRUNING, TECHNIQUES)
+                        DIFFERENT_GROUPS_PARAMETERS, DIFFERENT_GROUPS_RELATED_MODULE_SCOPE, SHARED_PARAMETERS,
+                        SPARSE_PRUNING, TECHNIQUES)
 from .helper import (RELATED_TYPES, TECHNIQUE_TYPES, compression_preparation, excluded, fix_compression,
                      get_module_name, pattern_matches, recursive_getattr)
 from .snip import SnipMomentumPruner

@@ -10,7 +10,7 @@ module the technique applies to.
 from __future__ import annotations
 
 import re
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import Iterable, List, Tuple
 
 from torch import nn
 
@@ -224,14 +224,4 @@ def compressed_modules(model) -> List[Tuple[str, nn.Module]]:
 
 def excluded(name: str, patterns: Iterable[str]) -> bool:
     return any(pattern_matches(p, name) for p in patterns)
-
-
-def unique(seq: Iterable[str], seen: Optional[Set[str]] = None) -> List[str]:
-    seen = set() if seen is None else seen
-    out = []
-    for s in seq:
-        if s not in seen:
-            seen.add(s)
-            out.append(s)
-    return out
 
