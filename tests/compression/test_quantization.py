@@ -105,3 +105,25 @@ def test_activation_quantization_dynamic_and_static():
     torch.testing.assert_close(qa.x_min_max, torch.tensor([-1.0, 2.0]))
     qa(torch.tensor([-3.0, 4.0]), 8)
     torch.testing.assert_close(qa.x_min_max, torch.tensor([-1.0 * 0.95 - 3.0 * 0.05, 2.0 * 0.95 + 4.0 * 0.05]))
+
+
+def test_fp16_mixed_quantize_blends_towards_the_quantized_weight():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("fc", torch.nn.Linear(8, 4))
+    cfg = _wq_config(False, groups=1, offset=0)
+    cfg["compression_training"]["weight_quantization"]["shared_parameters"]["fp16_mixed_quantize"] = {
+        "enabled": True, "quantize_change_ratio": 0.25}
+    cfg["compression_training"]["weight_quantization"]["different_groups"]["wq1"]["params"] = {
+        "start_bits": 4, "target_bits": 4, "quantization_period": 1}
+    init_compression(model, cfg)
+    w0 = model.fc.weight.detach().clone()
+    sched = compression_scheduler(model, cfg)
+    sched.step(step_zero_check=True)  # first quantized step: 0.75 * w + 0.25 * q(w)
+    torch.testing.assert_close(model.fc.weight.detach(), 0.75 * w0 + 0.25 * SymQuantizer.apply(w0, 4, None, None, 1))
+    w1 = model.fc.weight.detach().clone()
+    sched.step()  # the quantized share grows by the change ratio each step
+    torch.testing.assert_close(model.fc.weight.detach(), 0.5 * w1 + 0.5 * SymQuantizer.apply(w1, 4, None, None, 1))
+    for _ in range(3):
+        sched.step()
+    assert model.fc.weight.unique().numel() <= 16  # fully quantized once the share reaches 1
