@@ -80,10 +80,11 @@ def test_checkpoint_resume_restores_scheduler_state_exactly(tmp_path):
     for k in range(3):
         a.backward(a(batches[k]))
         a.step()
-    a.save_checkpoint(str(tmp_path), tag="t")
+    a.save_checkpoint(str(tmp_path), tag="t", client_state={"mine": 7})
     b = _engine(seed=5, **sections)
     convert_to_random_ltd(b, Block)
-    b.load_checkpoint(str(tmp_path), tag="t")
+    _, client_state = b.load_checkpoint(str(tmp_path), tag="t")
+    assert client_state == {"mine": 7}  # the features' entries are not handed back as client state
     assert b.curriculum_scheduler_legacy.state_dict() == a.curriculum_scheduler_legacy.state_dict()
     assert b.get_pld_theta() == a.get_pld_theta() != 1.0
     assert b.random_ltd_scheduler.state_dict() == a.random_ltd_scheduler.state_dict()

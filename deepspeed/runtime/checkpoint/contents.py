@@ -38,6 +38,7 @@ from typing import Iterable, List, Optional
 import torch
 
 from ...utils.logging import logger
+from ..engine_features import feature_checkpoint_keys
 
 # Keys DeepSpeed writes into a model-states file itself (0.9 to 0.19); every other top-level
 # key is the client_state the user passed to save_checkpoint.
@@ -182,7 +183,8 @@ def client_state_of(state: dict) -> dict:
     ``client_state`` dict."""
     if LEGACY_CLIENT_STATE_KEY in state and "buffer_names" not in state:
         return dict(state[LEGACY_CLIENT_STATE_KEY] or {})
-    return {k: v for k, v in state.items() if k not in DEEPSPEED_MODEL_STATE_KEYS and k not in OWN_MODEL_STATE_KEYS}
+    own = OWN_MODEL_STATE_KEYS | feature_checkpoint_keys()  # + engine features' entries (engine_features)
+    return {k: v for k, v in state.items() if k not in DEEPSPEED_MODEL_STATE_KEYS and k not in own}
 
 
 # ---------------------------------------------------------------- optimizer-states file
