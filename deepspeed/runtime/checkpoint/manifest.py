@@ -294,10 +294,21 @@ def prefetch(directory: str, loader=None) -> None:
     with _lock:
         if _prefetch_pool is None:
             _prefetch_pool = ThreadPoolExecutor(1, thread_name_prefix="ds_ckpt_verify")
+            register = getattr(threading, "_register_atexit", None)   # runs before the pool's own join
+            if register is not None:
+                register(_cancel_pending)
         for n in sorted(man["files"]):
             path = os.path.join(os.path.abspath(directory), n)
             if n.endswith(".pt") and path not in _pending and os.path.isfile(path):
                 _pending[path] = (_file_key(path), _prefetch_pool.submit(_verify_now, path, loader))
+
+
+def _cancel_pending() -> None:
+    """At exit: drop background verifications nobody waits for (files never loaded)."""
+    with _lock:
+        for _, fut in _pending.values():
+            fut.cancel()
+        _pending.clear()
 
 
 def verify_file(path: str, loader=None) -> None:
