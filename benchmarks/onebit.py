@@ -175,7 +175,8 @@ def main():
                                                   "onebit_loss.png"))
     args = ap.parse_args()
     out = {"benchmark": "onebit",
-           "config": {"backend": "gloo", "model": f"{LAYERS}-block MLP d={D}", "params": n_params(BenchModel(D, LAYERS)),
+           "config": {"backend": "gloo", "model": f"{LAYERS}-block MLP d={D}",
+                      "params": n_params(BenchModel(D, LAYERS)),
                       "micro_batch": MB, "zero_stage": 0, "precision": "fp32", "warmup_steps": args.warmup,
                       "measured_steps": args.steps, "threads_per_rank": 1,
                       "bytes": "per rank per step, counted at torch.distributed (ring/pairwise algorithms)"},
