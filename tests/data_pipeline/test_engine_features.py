@@ -144,3 +144,14 @@ def test_small_gpt_learns_with_every_feature_on(stage, tmp_path):
         rows = list(csv.reader(f))
     assert [int(r[0]) for r in rows[1:]] == [20, 40, 60, 80, 100]  # every 5th step, at global_samples
     assert all(0.0 < float(r[1]) <= 1.0 for r in rows[1:])
+
+
+@pytest.mark.slow
+def test_small_gpt_learns_at_stage3_and_eigenvalue_is_refused_there():
+    with pytest.raises(ValueError, match="eigenvalue: not available with zero_optimization.stage 3"):
+        _engine(stage=3, eigenvalue=EIGEN)
+    e = _engine(stage=3, curriculum_learning=CURRICULUM, progressive_layer_drop=PLD, data_efficiency=LTD)
+    convert_to_random_ltd(e, Block)
+    losses = _train(e, 25)
+    assert sum(losses[-3:]) < 0.6 * sum(losses[:3]), losses
+    assert e.random_ltd_scheduler.get_current_seq() == 15
