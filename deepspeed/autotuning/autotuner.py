@@ -306,9 +306,16 @@ class Autotuner:
         return sorted({int(round(lo + i * step)) for i in range(n)})
 
     def _plan_size(self, stages: List[int]) -> int:
-        n = 0
+        """The most experiments the search can run (the progress line's "of at most")."""
+        lo, n = self.min_train_micro_batch_size_per_gpu(), 0
         for st in stages:
-            n += self.autotuning_config.num_tuning_micro_batch_sizes + 4
+            hi = self.max_micro_batch_size_that_fits(st)
+            if hi < lo:
+                continue
+            halvings = 1
+            while hi > lo:
+                hi, halvings = max(lo, hi // 2), halvings + 1
+            n += halvings + self.autotuning_config.num_tuning_micro_batch_sizes - 1
             if not self.fast_enabled() and st > 0:
                 n += min(self.autotuning_config.tuner_num_trials, len(get_all_configs(self.tuning_space(st))))
         return n
@@ -334,12 +341,12 @@ class Autotuner:
                 f"gradient_accumulation_steps={self.gas()} on {self.dp_size()} data-parallel rank(s) "
                 f"(max micro-batch {self.max_train_micro_batch_size_per_gpu()}); raise max_train_batch_size or "
                 "lower min_train_micro_batch_size_per_gpu")
-        self._planned = 1 + self._plan_size(stages)
         if self.fast_enabled():
             logger.info("autotuning: fast mode: tuning the ZeRO stage and micro-batch size only")
         self.model_info = self.model_info_profile_run()
         if self.gpu_mem is None:
             self.gpu_mem = self.get_gpu_memory_info()
+        self._planned = self._plan_size(stages)
         print(f"[autotuning] model: {number_to_string(self.get_model_num_params())} trainable parameters, "
               f"{memory_to_string(self.get_activation_memory_per_gpu())} activations per sample; memory per rank "
               f"{memory_to_string(self.gpu_mem)}; stages {stages}", flush=True)

@@ -71,6 +71,9 @@ def test_memory_pruning_largest_micro_batch_first_and_the_best_config_wins(tmp_p
     assert "train.py --deepspeed_config" in cmd and path in cmd
     out = capsys.readouterr().out
     assert "experiment 1 of at most" in out and "best so far" in out
+    import re
+    bounds = {int(m) for m in re.findall(r"of at most (\d+)", out)}
+    assert len(bounds) == 1 and len(t.records) <= bounds.pop()          # the bound printed holds
     # one record per experiment, consistent with what the runner returned
     for r in t.records:
         rec = json.loads((tmp_path / "autotuning_results" / r["name"] / "result.json").read_text())
