@@ -169,3 +169,47 @@ def test_cnn_channel_pruning_stays_near_the_uncompressed_run(method):
     redundancy_clean(engine.module, cfg)
     assert engine.module.conv1.out_channels == 4 and engine.module.conv2.weight.shape[1] == 4
     torch.testing.assert_close(engine.module(x), masked, rtol=1e-4, atol=1e-5)
+
+
+def test_layer_reduction_with_distillation_through_the_engine():
+    """The tutorial's recipe: a 2-layer student from teacher layers 1 and 3, trained on
+    cross-entropy + KL to the teacher's logits; the student ends closer to the teacher."""
+    teacher, _, _ = _train(None)  # a 2-layer model trained STEPS steps serves as the teacher
+    from tests.compression.models import BertClassifier as _B
+    big = _B(layers=4)
+    with torch.no_grad():  # a 4-layer teacher whose layers 1 and 3 are the trained ones
+        for i in (1, 3):
+            big.bert.encoder.layer[i].load_state_dict(teacher.module.bert.encoder.layer[i // 2].state_dict())
+        big.bert.embeddings.load_state_dict(teacher.module.bert.embeddings.state_dict())
+        big.classifier.load_state_dict(teacher.module.classifier.state_dict())
+    comp = {"layer_reduction": {"enabled": True, "keep_number_layer": 2, "module_name_prefix": "bert.encoder.layer",
+                                "teacher_layer": [1, 3], "other_module_name": ["bert.embeddings", "classifier"]}}
+    cfg = {"train_batch_size": 16, "steps_per_print": 0, "optimizer": {"type": "Adam", "params": {"lr": 0.003}},
+           "compression_training": comp}
+    torch.manual_seed(1)
+    student = init_compression(_B(layers=2), cfg, teacher_model=big)
+    x0, _ = bert_batches(1, seed=7)[0]
+    with torch.no_grad():  # initialised from the teacher's kept layers: the trained 2-layer model exactly
+        torch.testing.assert_close(student(x0), teacher.module.eval()(x0))
+    kd = torch.nn.functional.kl_div
+
+    def distill(model, config):
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        for x, y in bert_batches(10, seed=8):
+            logits = engine(x)
+            with torch.no_grad():
+                t = teacher.module(x)
+            loss = torch.nn.functional.cross_entropy(logits, y) + kd(logits.log_softmax(-1), t.log_softmax(-1),
+                                                                     log_target=True, reduction="batchmean")
+            engine.backward(loss)
+            engine.step()
+        engine.eval()
+        with torch.no_grad():
+            xs = torch.cat([x for x, _ in bert_batches(4, seed=9)])
+            return kd(engine(xs).log_softmax(-1), teacher.module(xs).log_softmax(-1), log_target=True,
+                      reduction="batchmean").item()
+
+    reduced = distill(student, cfg)
+    torch.manual_seed(1)
+    scratch = distill(_B(layers=2), {k: v for k, v in cfg.items() if k != "compression_training"})
+    assert reduced < scratch / 4, (reduced, scratch)  # the student starts from the teacher and stays near it
