@@ -33,8 +33,9 @@ Rules every writer follows (stage 3 included):
     cover ``[0, numel)`` exactly once. Padding is never written.
   * Per-element optimizer state (a tensor with as many elements as the fragment) goes
     under ``fragment["state"]``, flattened. Anything else the optimizer keeps per
-    parameter (Adam's ``step``) is identical for every parameter of a group, and
-    goes once into ``group_state[i]``.
+    parameter (Adam's ``step``) goes once into ``group_state[i]``; a parameter whose
+    scalars differ from its group's (it got no gradient in some step, so its ``step``
+    is behind) carries its own under ``params[name]["scalars"]``, which readers prefer.
   * ``param_groups[i]["params"]`` lists the group's parameter names in the group's
     order; the other keys are the optimizer's hyperparameters for that group.
 
@@ -80,6 +81,19 @@ def split_param_state(state: dict, shape) -> tuple:
         else:
             scalars[k] = v
     return per_elem, scalars
+
+
+def _same_scalars(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            if not (torch.is_tensor(x) and torch.is_tensor(y) and x.shape == y.shape and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 _SHARING = threading.local()
@@ -140,6 +154,8 @@ def make_rank_state(*, zero_stage: int, dp_world_size: int, dp_rank: int, mp_ran
             frags.append({"offset": int(f["offset"]), "numel": int(f["numel"]), "fp32": _cpu(f["fp32"]).float(),
                           "state": {k: _cpu(v) for k, v in f.get("state", {}).items()}})
         out_params[name] = {"shape": [int(s) for s in entry["shape"]], "fragments": frags}
+        if entry.get("scalars"):
+            out_params[name]["scalars"] = {k: _plain(v) for k, v in entry["scalars"].items()}
     return {"format": FORMAT, "version": VERSION, "zero_stage": int(zero_stage),
             "dp_world_size": int(dp_world_size), "dp_rank": int(dp_rank), "mp_rank": int(mp_rank),
             "dtype": dtype if isinstance(dtype, str) else dtype_name(dtype), "params": out_params,
@@ -266,9 +282,12 @@ class FragmentIndex:
                 f"{mp_rank:02d}, but {len(self.states)} were found; the checkpoint is incomplete.")
         self._frags: Dict[str, list] = {}
         self._shapes: Dict[str, list] = {}
+        self._scalars: Dict[str, dict] = {}
         for st in self.states:
             for name, entry in st["params"].items():
                 self._shapes[name] = entry["shape"]
+                if entry.get("scalars"):
+                    self._scalars[name] = entry["scalars"]
                 self._frags.setdefault(name, []).extend(entry["fragments"])
         for name, frags in self._frags.items():
             frags.sort(key=lambda f: f["offset"])
@@ -296,6 +315,11 @@ class FragmentIndex:
         for s in self._shapes[name]:
             n *= int(s)
         return n
+
+    def param_scalars(self, name: str) -> Optional[dict]:
+        """This parameter's own non-element optimizer state (``step``) where it differs from
+        its group's; None where the group's applies."""
+        return self._scalars.get(name)
 
     def state_keys(self, name: str) -> List[str]:
         return list(self._frags[name][0]["state"].keys())
@@ -440,6 +464,8 @@ def rank_state_from_torch_optimizer(module, optimizer, *, zero_stage: int, dp_wo
             scalars = scalars or sc
             params[name] = {"shape": list(p.shape), "fragments": [
                 {"offset": 0, "numel": p.numel(), "fp32": p.detach(), "state": per_elem}]}
+            if sc and not _same_scalars(sc, scalars):   # e.g. a step count behind its group's
+                params[name]["scalars"] = {k: _plain(v) for k, v in sc.items()}
         groups.append(dict({k: v for k, v in g.items() if k != "params"}, params=gnames))
         group_state.append(scalars)
     any_p = next(iter(module.parameters()), None)
@@ -467,7 +493,9 @@ def load_torch_optimizer_from_index(module, optimizer, idx: FragmentIndex, where
             p.copy_(idx.full(name, "fp32"))
         st = {k: idx.full(name, k) for k in idx.state_keys(name)}
         if st:
-            st.update({k: (v.clone() if torch.is_tensor(v) else v)
-                       for k, v in idx.group_state[group_of.get(name, 0)].items()})
+            scalars = idx.param_scalars(name)
+            if scalars is None:
+                scalars = idx.group_state[group_of.get(name, 0)]
+            st.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()})
             states[id(p)] = st
     load_torch_optimizer(optimizer, states, idx.param_groups, where)
