@@ -213,3 +213,23 @@ def test_layer_reduction_with_distillation_through_the_engine():
     torch.manual_seed(1)
     scratch = distill(_B(layers=2), {k: v for k, v in cfg.items() if k != "compression_training"})
     assert reduced < scratch / 4, (reduced, scratch)  # the student starts from the teacher and stays near it
+
+
+def test_fp16_overflow_steps_do_not_advance_the_schedule():
+    comp = dict(TECHNIQUES["row_pruning"], **TECHNIQUES["weight_quantization_asym_moq"])
+    cfg = {"train_batch_size": 16, "steps_per_print": 0, "fp16": {"enabled": True, "initial_scale_power": 30},
+           "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 2},
+           "compression_training": comp}
+    torch.manual_seed(0)
+    model = BertClassifier()
+    init_compression(model, cfg)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    losses = []
+    for x, y in bert_batches(STEPS):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert engine.skipped_steps > 0  # the loss scale starts at 2**30: the first steps overflow
+    assert engine.compression_scheduler.training_steps == engine.global_steps - engine.skipped_steps
+    assert sum(losses[-5:]) / 5 < sum(losses[:3]) / 3 - 0.1, losses
