@@ -21,7 +21,6 @@ import sys
 # A path also covers its submodules (deepspeed.moe covers deepspeed.moe.layer).
 UNBUILT = {
     "deepspeed.moe": "mixture of experts",
-    "deepspeed.ops.quantizer": "the quantizer kernels",
     "deepspeed.inference": "the inference engine (deepspeed.init_inference)",
     "deepspeed.module_inject": "kernel injection for inference",
     "deepspeed.model_implementations": "the inference model implementations",
