@@ -170,6 +170,8 @@ KNOWN = [
     (r"_route_slots|_sparse_encode|_sparse_decode", "deviation",
      "imports private helpers of DeepSpeed 0.19's sparse MoE dispatch; the module cannot be collected"),
     (r"count_used_parameters_in_backward", "deviation", "pins a private helper of DeepSpeed's engine"),
+    (r"'FP16_UnfusedOptimizer' object has no attribute 'fp32_groups'", "deviation",
+     "pins the fp32 copies' attribute of DeepSpeed's FP16_UnfusedOptimizer (ours keeps flat masters)"),
     (r"test_zero_hook_attribute_delegation\.py", "deviation",
      "pins the attributes DeepSpeed's ZeRO-3 hooks leave on each module (pre_bwd_fn, applied_pre_backward_ref_cnt)"),
     # features with their own open issue, or outside this package
@@ -185,6 +187,9 @@ KNOWN = [
 # real gaps found and not closed in this pass (kept here so the tables say so; not deviations)
 KNOWN += [
     (r"set_z3_leaf_modules_by_name", "remaining", "deepspeed.utils.set_z3_leaf_modules_by_name not built"),
+    (r"TestZero3ParamPartitioningBase::.*|has no attribute 'ds_summary'", "remaining",
+     "pins each layer's parameter status around its forward (ds_status, param.ds_summary()): the status "
+     "differs from DeepSpeed's schedule here and was not investigated in this pass"),
     (r"has no attribute 'allreduce_gradients'", "remaining", "engine.allreduce_gradients() (the explicit reduction "
      "after backward(allreduce_gradients=False)) not built"),
     (r"deepspeed\.runtime\.torch_autocast", "remaining", "deepspeed.runtime.torch_autocast module not built"),
