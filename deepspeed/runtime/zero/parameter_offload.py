@@ -22,20 +22,91 @@ them after (ZeRO stage 3's parameter schedule).
 
 Forward run again inside backward (activation checkpointing) re-gathers through the
 same pre-forward hook and does not release (backward does).
+
+Parameters used outside their own module's forward (a parent reading a child's weight,
+TRL's fused LM-head loss reading ``lm_head.weight`` inside the model's forward, shared
+heads): every module's ``_parameters`` is a :class:`ZeROOrderedDict`, whose
+``__getitem__`` (the lookup behind ``module.weight``) gathers a parameter that is not
+available while a forward is running and registers it as an external parameter of the
+innermost module being run (:data:`FWD_MODULE_STACK`). That module's post-forward hook
+releases it, its backward hook gathers it again, and from the next step on its pre-forward
+hook gathers it with its own. While that module runs, the parameter is pinned: the owner's
+own post-forward (if the owner runs inside) does not release it. On the normal path (every
+read inside the owner's forward, so the parameter is available) the cost is one Python
+``__getitem__`` and one attribute check per read (``benchmarks/zero3_param_access.py``).
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections import OrderedDict
 
 import torch
 
-from .partitioned_param import (ZeroParamStatus, gather_params, module_params_to_fetch, release_param,
-                                wait_available)
+from .partitioned_param import (ZeroParamStatus, gather_params, module_params_to_fetch, register_external_parameter,
+                                release_param, wait_available)
 
 FWD, BWD = 0, 1
 _WINDOW = 64            # trace events looked ahead for prefetching
 _MAX_TRACE = 100_000    # events; longer recordings (no engine step boundary) are dropped
+
+
+_AVAILABLE = ZeroParamStatus.AVAILABLE
+
+#: the modules whose forward is running, innermost last, each with the coordinator that
+#: hooked it: ``[(module, coordinator)]`` (DeepSpeed's name; its entries are the modules)
+FWD_MODULE_STACK: list = []
+
+
+class ZeROOrderedDict(OrderedDict):
+    """A module's ``_parameters`` under ZeRO-3 (DeepSpeed's class): reading a parameter that is
+    not available while a forward runs gathers it for the innermost running module, which
+    takes it as an external parameter (see the module docstring). Outside any forward a
+    read returns the parameter as it is (partitioned: use ``GatheredParameters``).
+    ``_in_forward`` is kept for code that sets it; the running-forward stack decides."""
+
+    def __init__(self, parent_module=None, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._parent_module = parent_module
+        self._in_forward = False
+
+    def __reduce__(self):   # copy/pickle: same class, same parent module (DeepSpeed's contract)
+        r0, _, *rest = super().__reduce__()
+        return (r0, (self._parent_module,)) + tuple(rest)
+
+    def __getitem__(self, key):
+        param = dict.__getitem__(self, key)
+        if FWD_MODULE_STACK and param is not None and getattr(param, "ds_status", _AVAILABLE) is not _AVAILABLE:
+            _fetch_for_running_module(param)
+        return param
+
+
+def _fetch_for_running_module(param) -> None:
+    if torch.compiler.is_compiling():
+        return
+    i = len(FWD_MODULE_STACK) - 1   # inside a ZeRO-3 leaf module, the leaf fetches for its subtree
+    while i > 0 and FWD_MODULE_STACK[i][0].__dict__.get("_z3_inside_leaf"):
+        i -= 1
+    module, coordinator = FWD_MODULE_STACK[i]
+    coordinator.fetch_external(module, param)
+
+
+def ensure_zero_ordered_dict(module: torch.nn.Module) -> None:
+    """Make ``module._parameters`` a :class:`ZeROOrderedDict` (idempotent; DeepSpeed's helper).
+    The container it replaces is kept as ``module._original_parameters`` on the first wrap."""
+    params = module.__dict__.get("_parameters")
+    if isinstance(params, ZeROOrderedDict) or not isinstance(params, dict):
+        return
+    if "_original_parameters" not in module.__dict__:
+        module.__dict__["_original_parameters"] = params
+    module.__dict__["_parameters"] = ZeROOrderedDict(module, params)
+
+
+def _restore_parameters_dict(module: torch.nn.Module) -> None:
+    params = module.__dict__.get("_parameters")
+    if isinstance(params, ZeROOrderedDict):
+        module.__dict__["_parameters"] = dict(params.items())
+        module.__dict__.pop("_original_parameters", None)
 
 
 def _in_backward() -> bool:
@@ -81,6 +152,7 @@ class ParameterCoordinator:
         self.peak_live_numel = 0  # most gathered elements alive at once (transient memory)
         self.hooks = []
         self.names = {}
+        self.pinned = {}          # id(p) -> running modules that read p as an external parameter
         self.nvme = any(getattr(getattr(p, "_z3", None), "swapper", None) is not None for p in module.parameters())
         self._register_deepspeed_module(module)
 
@@ -90,6 +162,7 @@ class ParameterCoordinator:
         the hooks it removed through it)."""
         for name, m in module.named_modules():
             self.names[id(m)] = name or type(m).__name__
+            ensure_zero_ordered_dict(m)
             self.hooks.append(m.register_forward_pre_hook(self._pre_forward))
             self.hooks.append(m.register_forward_hook(self._post_forward))
 
@@ -97,6 +170,10 @@ class ParameterCoordinator:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        for m in self.module.modules():
+            _restore_parameters_dict(m)
+        FWD_MODULE_STACK[:] = [e for e in FWD_MODULE_STACK if e[1] is not self]
+        self.pinned.clear()
 
     _remove_module_hooks = remove   # DeepSpeed's name
 
@@ -134,6 +211,9 @@ class ParameterCoordinator:
         self.cursor = 0
         self.predicting = bool(self.trace)
         self._fwd_pos.clear()
+        if any(e[1] is self for e in FWD_MODULE_STACK):   # left by a forward that raised
+            FWD_MODULE_STACK[:] = [e for e in FWD_MODULE_STACK if e[1] is not self]
+        self.pinned.clear()
 
     def end_backward(self) -> None:
         self.release_all()
@@ -181,6 +261,21 @@ class ParameterCoordinator:
         if self.predicting:
             self._prefetch()
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel())
+
+    def fetch_external(self, module, p) -> None:
+        """``module``'s forward read ``p``, which it does not hold: gather ``p`` now, register
+        it as ``module``'s external parameter (gathered with the module's own from now on,
+        for its backward too) and pin it until ``module``'s forward ends."""
+        ext = module.__dict__.get("_external_params")
+        if not (ext and id(p) in ext) and all(q is not p for q in dict.values(module._parameters)):
+            register_external_parameter(module, p)
+            self.pinned[id(p)] = self.pinned.get(id(p), 0) + 1
+        if p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+            name = self.names.get(id(module), type(module).__name__)
+            if gather_params([p], what=f"a parameter read in module '{name}' outside its own module's forward"):
+                self.gathers += 1
+        wait_available([p])
+        self.live[id(p)] = p
 
     def _prefetch(self) -> None:
         budget = min(self.prefetch_bucket_size, self.max_live - self.live_numel())
@@ -241,6 +336,11 @@ class ParameterCoordinator:
     def _pre_forward(self, module, args):
         if module is self.module and not _in_backward():
             self.new_step()   # also a step boundary for forwards that bypass the engine (generation)
+        FWD_MODULE_STACK.append((module, self))
+        ext = module.__dict__.get("_external_params")
+        if ext:   # read by this module: kept while it runs, whoever else releases in between
+            for k in ext:
+                self.pinned[k] = self.pinned.get(k, 0) + 1
         params = module_params_to_fetch(module)
         if not params:
             return None
@@ -252,6 +352,7 @@ class ParameterCoordinator:
         return None
 
     def _post_forward(self, module, args, output):
+        self._pop_running(module)
         params = module_params_to_fetch(module)
         if not params:
             if module is self.module and not torch.is_grad_enabled() and not _in_backward():
@@ -262,12 +363,27 @@ class ParameterCoordinator:
         if not _in_backward():  # recomputation inside backward keeps them for the backward that follows
             pos = self._fwd_pos.pop(id(module), None)
             returned = {id(t) for t in _iter_tensors(output)}
+            pinned = self.pinned
             for p in params:
-                if id(p) not in returned and not self._keep_for_reuse(p, pos):
+                if id(p) not in returned and not (pinned and id(p) in pinned) and not self._keep_for_reuse(p, pos):
                     release_param(p)
             if module is self.module and not torch.is_grad_enabled():
                 self.release_all()
         return None
+
+    def _pop_running(self, module) -> None:
+        for i in range(len(FWD_MODULE_STACK) - 1, -1, -1):
+            if FWD_MODULE_STACK[i][0] is module and FWD_MODULE_STACK[i][1] is self:
+                del FWD_MODULE_STACK[i:]   # entries above it belong to forwards that raised
+                break
+        ext = module.__dict__.get("_external_params")
+        if ext:
+            for k in ext:
+                n = self.pinned.get(k, 0) - 1
+                if n > 0:
+                    self.pinned[k] = n
+                else:
+                    self.pinned.pop(k, None)
 
     def _gather_before_backward(self, module, output) -> None:
         outs = [t for t in _iter_tensors(output) if t.requires_grad and t.grad_fn is not None]

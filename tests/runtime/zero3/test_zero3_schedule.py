@@ -68,10 +68,13 @@ def _body(rank, ws):
     eng = _engine(make_lm(seed=0, n_layers=3), stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
     m = eng.module
     seen = {}
+    # taken outside the forward: a read through the module inside another module's forward
+    # gathers it (ZeROOrderedDict, as in DeepSpeed; tests/runtime/zero3/test_zero3_external_access.py)
+    w0 = m.blocks[0].fc1.weight
 
     def probe(mod, args):
-        seen["block0_status"] = m.blocks[0].fc1.weight.ds_status.name
-        seen["block0_shape"] = tuple(m.blocks[0].fc1.weight.shape)
+        seen["block0_status"] = w0.ds_status.name
+        seen["block0_shape"] = tuple(w0.shape)
 
     def probe_fc1(mod, args):
         seen["fc1_shape_in_forward"] = tuple(mod.weight.shape)

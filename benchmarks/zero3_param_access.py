@@ -1,0 +1,89 @@
+"""Cost of ZeRO-3's parameter-access check (``ZeROOrderedDict``) on the normal path.
+
+Every ``module.weight`` read goes through ``module._parameters.__getitem__``; under ZeRO-3 the
+modules' ``_parameters`` are a dict subclass whose ``__getitem__`` gathers a parameter read
+outside its own module's forward. This measures a ZeRO-3 training step (world size 1, a
+small model of many modules, every read in-module: the normal path) with the subclass
+installed vs. the plain dicts put back on the same engine, in alternating rounds of one
+run. Prints one JSON object; the figure is the median of per-round medians, and the ratio
+(check / plain) is what to compare (absolute times on shared machines are noisy).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import BenchModel, median_time, n_params  # noqa: E402
+
+
+def main():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29731")
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(k, v)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2)))
+    d, layers, batch = 64, 12, 16
+    rounds, steps, warmup = int(os.environ.get("ROUNDS", 9)), 10, 3
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, d), torch.randn(batch, 16)
+
+    import deepspeed
+    try:
+        from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
+    except ImportError:   # before the check existed: the plain path only
+        ZeROOrderedDict = None
+    model = BenchModel(d, layers)
+    engine, *_ = deepspeed.initialize(model=model, config={
+        "train_batch_size": batch, "steps_per_print": 0, "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    modules = list(engine.module.modules())
+    installed = [m._parameters for m in modules]
+    plain = [dict(p) for p in installed]
+
+    def use(dicts):
+        for m, p in zip(modules, dicts):
+            m.__dict__["_parameters"] = p
+
+    def step():
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+    res = {"plain": []}
+    if ZeROOrderedDict is not None:
+        res["check"] = []
+    names = list(res)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            use(installed if name == "check" else plain)
+            res[name].append(median_time(step, steps, warmup))
+    use(installed)
+    reads = {"n": 0}   # parameter reads per step (how often __getitem__ runs)
+    if ZeROOrderedDict is not None:
+        orig = ZeROOrderedDict.__getitem__
+
+        def counting(self, key):
+            reads["n"] += 1
+            return orig(self, key)
+        ZeROOrderedDict.__getitem__ = counting
+        step()
+        ZeROOrderedDict.__getitem__ = orig
+    out = {"benchmark": "zero3_param_access", "world_size": 1, "zero_stage": 3, "params": n_params(model),
+           "modules": len(modules), "batch": batch, "rounds": rounds, "steps_per_round": steps,
+           "param_reads_per_step": reads["n"]}
+    for name, ts in res.items():
+        out[f"{name}_step_ms"] = round(statistics.median(ts) * 1e3, 3)
+    if "check" in res:
+        out["ratio_check_over_plain"] = round(statistics.median(res["check"]) / statistics.median(res["plain"]), 4)
+    engine.destroy()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
