@@ -204,9 +204,10 @@ class ResourceManager:
         launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]
         if getattr(self.args, "hostfile", None):
             launcher += ["--hostfile", self.args.hostfile]
-        if hosts:
+        if hosts and (getattr(self.args, "hostfile", None) or len(hosts) > 1):
             launcher += ["--include", "@".join(hosts)]
         elif exp.get("num_gpus"):
+            # this machine only: its pool is sized by --num_gpus (on CPU, the process count)
             launcher += ["--num_gpus", str(exp["num_gpus"])]
         if len(hosts) > 1:
             launcher += ["--master_port", str(int(getattr(self.args, "master_port", 29500)) + exp["exp_id"])]

@@ -131,23 +131,26 @@ def write_experiments(exps: List[dict], exps_dir: str) -> List[str]:
 
 # ------------------------------------------------------------------ experiment logs
 
-_ERROR_PATTERNS = ("out of memory", "Error", "error:", "Killed", "Traceback")
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
 
 
 def search_error(filename: str) -> Optional[str]:
-    """The most telling error line of an experiment's stderr log, or ``None`` when clean."""
+    """The most telling error line of an experiment's stderr log, or ``None`` when clean:
+    the last exception line (``RuntimeError: ...``; an out-of-memory one first), else any
+    line naming out of memory or a kill."""
     if not os.path.exists(filename):
         return f"no log at {filename}"
     with open(filename, errors="replace") as f:
-        lines = [ln.rstrip() for ln in f]
-    for ln in lines:
-        if "out of memory" in ln.lower():
-            return ln.strip()
+        lines = [ln.strip() for ln in f]
+    exc = [m.group(1) for m in (_EXCEPTION_LINE.match(ln) for ln in lines) if m]
+    for text in reversed(exc):
+        if "out of memory" in text.lower():
+            return text
+    if exc:
+        return exc[-1]
     for ln in reversed(lines):
-        if re.search(r"\b\w*(Error|Exception)\b", ln) and not ln.lstrip().startswith("warnings.warn"):
-            if "Warning" in ln.split(":")[0]:
-                continue
-            return ln.strip()
+        if "out of memory" in ln.lower() or "Killed" in ln:
+            return ln
     return None
 
 

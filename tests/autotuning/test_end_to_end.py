@@ -80,16 +80,17 @@ def test_autotuning_two_ranks_stages_knobs_and_a_crashing_micro_batch(tmp_path):
            "autotuning": {"enabled": True, "fast": False, "tuner_type": "gridsearch", "tuner_num_trials": 2,
                           "start_profile_step": 1, "end_profile_step": 2, "num_tuning_micro_batch_sizes": 2,
                           "max_train_micro_batch_size_per_gpu": 4}}
-    r = _run(str(tmp_path), cfg, launcher_args=["--num_gpus", "2"], script_args=["--crash_above_mbs", "2"])
+    r = _run(str(tmp_path), cfg, launcher_args=["--num_gpus", "2"], script_args=["--crash_above_mbs", "2"],
+             timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = str(tmp_path / "autotuning_results")
     info = json.load(open(os.path.join(res, "profile_model_info", "model_info.json")))
     assert info["num_params"] == 32 * 64 + 64 + 64 * 4 + 4 and info["activation_mem_per_gpu"] > 0
     for stage in (1, 3):
         rec = json.load(open(os.path.join(res, f"z{stage}_mbs4", "result.json")))
-        assert "simulated out of memory" in rec["error"]        # recorded and skipped
+        assert "RuntimeError: simulated out of memory" in rec["error"]   # recorded and skipped
         assert not os.path.exists(os.path.join(res, f"z{stage}_mbs4", "metrics.json"))
-        knobs = glob.glob(os.path.join(res, f"z{stage}_mbs2_*"))
+        knobs = glob.glob(os.path.join(res, f"z{stage}_mbs*_*"))   # knob experiments at the stage's best size
         assert len(knobs) == 2                                   # tuner_num_trials
     measured = _measured(res)
     assert {"z1_mbs2", "z1_mbs1", "z3_mbs2", "z3_mbs1"} <= set(measured)
