@@ -34,6 +34,7 @@ from . import checkpoint, checkpointing, ops, runtime, utils, zero  # noqa: E402
 # Training techniques that plug into the engine (each registers with runtime/engine_features):
 from .runtime import data_pipeline, eigenvalue, progressive_layer_drop  # noqa: E402,F401
 from . import compression  # noqa: E402,F401  (compression_training; DeepSpeed's engine imports it too)
+from . import elasticity  # noqa: E402,F401  (registers the elastic batch sizes with config resolution)
 from .autotuning import engine_hook as _autotuning_hook  # noqa: E402,F401  (an experiment's metric/stop hook)
 from .runtime import config as _rt_config, dataloader as _rt_dataloader, lr_schedules as _rt_lr  # noqa: E402,F401
 from .runtime import utils as _rt_utils  # noqa: E402,F401

@@ -24,7 +24,6 @@ UNBUILT = {
     "deepspeed.inference": "the inference engine (deepspeed.init_inference)",
     "deepspeed.module_inject": "kernel injection for inference",
     "deepspeed.model_implementations": "the inference model implementations",
-    "deepspeed.elasticity": "elastic training",
     "deepspeed.runtime.swap_tensor": "ZeRO-Infinity NVMe swapping",
     "deepspeed.nvme": "NVMe performance tools",
     "deepspeed.runtime.hybrid_engine": "the hybrid (RLHF) engine",

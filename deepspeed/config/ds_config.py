@@ -152,6 +152,12 @@ def load_config_source(source: Union[str, os.PathLike, dict, None]) -> dict:
         f"DeepSpeed config must be a dict or a path to a JSON/hjson file, got {type(source).__name__}.")
 
 
+#: Features that set the batch sizes from their own section register here (``deepspeed.elasticity``):
+#: ``provider(raw_config: dict, world_size: int)`` returns ``(train_batch_size,
+#: train_micro_batch_size_per_gpu, gradient_accumulation_steps)``, or None to leave them as given.
+BATCH_SIZE_PROVIDERS: list = []
+
+
 def resolve_batch_sizes(train_batch_size, micro_batch, grad_acc, world_size):
     """Any two of the three give the third; all three must agree.
 
@@ -213,9 +219,11 @@ class DeepSpeedConfig:
             world_size = _dp_world_size(mpu, self.model.sequence_parallel_size)
         self.world_size = world_size
         m = self.model
+        batch = (m.train_batch_size, m.train_micro_batch_size_per_gpu, m.gradient_accumulation_steps)
+        for provider in BATCH_SIZE_PROVIDERS:  # e.g. elasticity: batch sizes from its own section
+            batch = provider(self.raw, world_size) or batch
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = \
-            resolve_batch_sizes(m.train_batch_size, m.train_micro_batch_size_per_gpu,
-                                m.gradient_accumulation_steps, world_size)
+            resolve_batch_sizes(*batch, world_size)
         self._validate_cross_section()
 
     # -- cross-section rules -------------------------------------------------

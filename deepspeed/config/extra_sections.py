@@ -100,6 +100,7 @@ class ElasticitySection(FeatureSection):
     max_gpus: int = Field(10000, ge=1)
     min_time: int = Field(0, ge=0)
     prefer_large_batch: bool = True
+    prefer_larger_batch: Optional[bool] = None  # the name DeepSpeed's code reads (docs: prefer_large_batch)
     version: float = 0.2
     ignore_non_elastic_batch_info: bool = False
     num_gpus_per_node: int = Field(1, ge=1)

@@ -21,7 +21,6 @@ from .errors import DeepSpeedConfigError, FeatureNotAvailableError
 
 # key -> feature name.
 UNBUILT_FEATURES: dict[str, str] = {
-    "elasticity": "elastic training",
     "quantize_training": "quantization-aware training",
     "hybrid_engine": "the hybrid (RLHF) engine",
     "nebula": "Nebula checkpointing",
