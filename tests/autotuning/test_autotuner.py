@@ -192,3 +192,15 @@ def test_bad_stage_and_missing_config_file(tmp_path):
     args = dsrun.parse_args(["--autotuning", "tune", "train.py", "--lr", "1"])
     with pytest.raises(AutotuningError, match="--deepspeed_config ds_config.json"):
         Autotuner(args, {"localhost": [0]})
+
+
+def test_search_error_reports_the_exception_line(tmp_path):
+    from deepspeed.autotuning.utils import search_error
+    log = tmp_path / "stderr.log"
+    log.write_text("[rank0]: Traceback (most recent call last):\n"
+                   "[rank0]:     raise RuntimeError(f\"simulated out of memory: {mbs}\")\n"
+                   "[rank0]: RuntimeError: simulated out of memory: 4\n"
+                   "UserWarning: unrelated\n")
+    assert search_error(str(log)) == "RuntimeError: simulated out of memory: 4"
+    log.write_text("all good\n")
+    assert search_error(str(log)) is None
