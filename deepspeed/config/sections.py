@@ -132,6 +132,10 @@ class ZeroSection(DSConfigModel):
         if self.stage3_gather_fp16_weights_on_model_save is not None:
             object.__setattr__(self, "gather_16bit_weights_on_model_save",
                                bool(self.stage3_gather_fp16_weights_on_model_save))
+        for key in ("zero_quantized_weights", "zero_quantized_gradients"):   # ZeRO++ (runtime/zero/zeropp.py)
+            if getattr(self, key) and self.stage != 3:
+                raise ValueError(f"zero_optimization.{key} (ZeRO++) quantizes ZeRO stage 3's collectives; it needs "
+                                 f"zero_optimization.stage: 3 (got stage {self.stage}). Set stage 3 or {key}: false.")
         return self
 
     @property

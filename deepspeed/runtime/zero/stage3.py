@@ -40,6 +40,7 @@ from .stage3_grads import GradReducer
 from .stage3_master import MasterPartitions
 from .stage3_nvme_params import SwappedPartitionMasters
 from .stage3_state_dict import gather_module_state_dict, load_full_state_dict
+from .zeropp import exact_gathers, wrap_comm
 
 # Elements per gradient bucket when the config does not set reduce_bucket_size: about one
 # transformer layer's weight matrix. Measured (fp32, 8.4M params, 2 ranks, gloo): backward's peak
@@ -58,10 +59,10 @@ def _comm_dtype(name):
 
 def _refuse_unsupported(z) -> None:
     from ...config.errors import DeepSpeedConfigError
-    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
-        if getattr(z, key):
-            raise DeepSpeedConfigError(f"zero_optimization.{key} (ZeRO++ quantization) is not supported by this "
-                                       f"deepspeed; set it to false.")
+    if z.zero_quantized_nontrainable_weights:   # qwZ / qgZ are built (zeropp.py); this one is not
+        raise DeepSpeedConfigError("zero_optimization.zero_quantized_nontrainable_weights (ZeRO++ frozen weights kept "
+                                   "quantized in memory) is not supported by this deepspeed; set it to false "
+                                   "(zero_quantized_weights and zero_quantized_gradients are supported).")
     if z.zero_hpz_partition_size > 1 or z.mics_shard_size > 0:
         raise DeepSpeedConfigError("zero_optimization.zero_hpz_partition_size > 1 (hpZ) and mics_shard_size > 0 "
                                    "(MiCS) are not supported by this deepspeed; ZeRO-3 partitions over the whole "
@@ -90,7 +91,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         self.fp16, self.bf16 = cfg.fp16_enabled, cfg.bfloat16_enabled
         self.dtype = torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
         self.clip = cfg.gradient_clipping
-        self.comm = comm_for(ctx.dp_group)
+        self.comm = wrap_comm(comm_for(ctx.dp_group), z)   # ZeRO++ qwZ/qgZ collectives when configured
         off_param = z.offload_param_device == "cpu"
         off_opt = z.offload_optimizer_device in ("cpu", "nvme")   # nvme: updated in host memory (stage3_nvme)
         nvme_opt = z.offload_optimizer_device == "nvme"
@@ -172,7 +173,8 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         if to_persist:  # zero.Init partitioned them; keep them whole from now on
             if self.spec.swapper is not None:   # whole params keep their partition in memory
                 self.spec.swapper.remove_params(to_persist)
-            gather_params(to_persist, what="small parameters kept whole (stage3_param_persistence_threshold)")
+            with exact_gathers(self.comm):
+                gather_params(to_persist, what="small parameters kept whole (stage3_param_persistence_threshold)")
             for p in to_persist:
                 p.ds_persist = True
 
@@ -453,7 +455,8 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         """Full state dict, gathered module by module. Collective; like DeepSpeed's
         ``_zero3_consolidated_16bit_state_dict`` only data-parallel rank 0 keeps the tensors
         (host memory for the whole model on one rank), other ranks return an empty dict."""
-        return gather_module_state_dict(self.module, keep=self.ctx.dp_rank == 0)
+        with exact_gathers(self.comm):
+            return gather_module_state_dict(self.module, keep=self.ctx.dp_rank == 0)
 
     def check_16bit_model_save(self) -> bool:
         """Whether ``engine.save_16bit_model`` may gather the weights (the config key)."""
