@@ -204,6 +204,12 @@ def _load(path: str):
     return unwrap_rank_state(load_file(path, mmap=True))
 
 
+def _load_mapped_noreserve(path: str):
+    """The MAP_NORESERVE fallback of :func:`_load` (lives in :mod:`.io`, with the one allow-list)."""
+    from .io import _load_mapped_noreserve as load
+    return load(path)
+
+
 def unwrap_rank_state(obj):
     """The rank state of an optimizer file: inside DeepSpeed's envelope
     (``obj["optimizer_state_dict"]``, see :mod:`.contents`) since 0.19, the whole file before."""
