@@ -161,3 +161,21 @@ def zeropp_stats(comm):
     """The :class:`ZeroPPStats` of a quantized communicator, else None."""
     return comm.stats if isinstance(comm, QuantizedComm) else None
 
+
+
+def local_all_to_all_groups(node_size: int) -> dict:
+    """DeepSpeed's qgZ group dict (``deepspeed.utils.groups._get_local_all_to_all_group``):
+    ``'local_<i>'`` = the ranks of node ``i`` (``node_size`` consecutive ranks) and
+    ``'global_<j>'`` = the ranks with local index ``j`` on every node. Collective: every rank
+    creates every group, in the same order."""
+    import torch.distributed as dist
+    ws = dist.get_world_size()
+    if node_size < 1 or ws % node_size:
+        raise ValueError(f"local_all_to_all_groups: node_size={node_size} must divide the world size {ws}")
+    nodes = ws // node_size
+    groups = {}
+    for i in range(nodes):
+        groups[f"local_{i}"] = dist.new_group(list(range(i * node_size, (i + 1) * node_size)))
+    for j in range(node_size):
+        groups[f"global_{j}"] = dist.new_group([n * node_size + j for n in range(nodes)])
+    return groups
