@@ -253,6 +253,13 @@ def _body(rank, ws, out_dir):
     got = safe_get_full_grad(w)
     e2.step()
     out["set_grad_z2"] = (torch.equal(got, new_g), torch.allclose(w.detach(), before - 0.5 * new_g))
+    # DeepSpeed's single_partition_of_fp32_groups: the ranks' fp32 partitions hold every parameter value
+    mine = e2.optimizer.single_partition_of_fp32_groups[0]
+    parts = [torch.zeros_like(mine) for _ in range(ws)]
+    dist.all_gather(parts, mine)
+    vals = torch.cat([p.detach().reshape(-1) for p in e2.module.parameters()])
+    out["fp32_partitions"] = (len(e2.optimizer.single_partition_of_fp32_groups),
+                              bool(torch.isin(vals, torch.cat(parts)).all()))
 
     # tag validation: per-rank tags save one complete checkpoint under rank 0's tag (Warn and
     # Ignore); an empty save_dir is a ValueError on every rank, not a hang
@@ -297,6 +304,7 @@ def test_deepspeed_unit_test_causes_on_two_ranks(tmp_path):
         assert r["state_steps"] == [1] and r["global_grad_norm_set"]
         assert r["detach_alive"] and r["released"]
         assert r["set_grad_z3"] == (True, True) and r["set_grad_z2"] == (True, True)
+        assert r["fp32_partitions"] == (1, True)
         assert r["hooks"] == (True, 0, True, 36, True)
         assert r["tag_dirs"] == ["tag-0"]
         assert r["bad_dirs"] == ["ValueError", "ValueError"]

@@ -535,6 +535,28 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
                     out.append(f.slot.name)
         return out
 
+    # ------------------------------------------------------------------ DeepSpeed's introspection names
+    @property
+    def single_partition_of_fp32_groups(self) -> list:
+        """Per parameter group, this rank's flat fp32 master partition (DeepSpeed's ZeRO-1/2 name).
+        Without a separate master (fp32 training, no offload) the parameters are the masters:
+        this rank's part of their flat buffer is returned (a copy)."""
+        out = []
+        for g, (lay, m) in enumerate(zip(self.layouts, self.masters)):
+            if m is not None:
+                out.append(m)
+            elif self.n_parts == 1:
+                out.append(self.param_flats[g])
+            else:
+                out.append(torch.cat([self.param_flats[g][slice(*b.chunk_range(self.part_rank))]
+                                      for b in lay.buckets]))
+        return out
+
+    @property
+    def fp32_groups_flat(self) -> list:
+        """DeepSpeed's FP16_Optimizer name for the same flat fp32 masters."""
+        return self.single_partition_of_fp32_groups
+
     def _fragment_grad(self, g, f):
         """This rank's reduced (still scaled, summed) gradient of fragment ``f``."""
         b = f.slot.bucket
