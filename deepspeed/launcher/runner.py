@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--autotuning", default="", choices=["tune", "run"],
                    help="run the autotuner (deepspeed.autotuning) first: 'tune' writes the best configuration to "
                         "the autotuning results_dir, 'run' then trains with it")
+    p.add_argument("--elastic_training", action="store_true",
+                   help="run this node's ranks under torch.distributed.elastic (deepspeed.elasticity): failed "
+                        "workers restart, nodes may leave or join between --min/--max_elastic_nodes")
+    p.add_argument("--min_elastic_nodes", type=int, default=-1,
+                   help="elastic training: fewest nodes to run on (default 1)")
+    p.add_argument("--max_elastic_nodes", type=int, default=-1,
+                   help="elastic training: most nodes to run on (default: the nodes in use)")
     p.add_argument("user_script", help="the training script (or module with --module)")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments for the training script")
     return p
@@ -230,6 +237,24 @@ def _launch_multinode(args) -> int:
     return Supervisor(members, logger).run()
 
 
+def _launch_elastic(args, active) -> int:
+    """``--elastic_training``: this node's ranks under torch.distributed.elastic's agent
+    (deepspeed.elasticity.elastic_launch). One ``deepspeed`` per node, as with torchrun: with
+    several hosts, start it on each with ``--no_ssh --node_rank``."""
+    if len(active) > 1 and not args.no_ssh:
+        raise ResourceError("--elastic_training starts one elastic agent per node: run 'deepspeed --elastic_training "
+                            "--no_ssh --node_rank=<i> --master_addr=<rendezvous host> ...' on each node")
+    if args.no_ssh and args.node_rank < 0:
+        raise ResourceError("--no_ssh needs --node_rank (this node's index in the hostfile)")
+    if len(active) > 1 and not args.master_addr:
+        raise ResourceError("--elastic_training with several nodes needs --master_addr (the rendezvous host)")
+    args.master_addr = args.master_addr or DEFAULT_MASTER_ADDR
+    from ..elasticity.elastic_launch import run_elastic
+    env = job_environment(os.environ, load_deepspeed_env(), os.path.abspath(os.getcwd()))
+    node = list(active)[max(args.node_rank, 0)]
+    return run_elastic(args, len(active[node]), len(active), env)
+
+
 def run(args) -> int:
     """Resolve the resources and start the job; returns the exit code."""
     from ..utils.logging import logger
@@ -238,6 +263,8 @@ def run(args) -> int:
     if getattr(args, "autotuning", ""):
         from ..autotuning.autotuner import run_autotuning
         return run_autotuning(args, active)
+    if getattr(args, "elastic_training", False):
+        return _launch_elastic(args, active)
     if args.node_rank >= 0 and not args.no_ssh:
         raise ResourceError("--node_rank is only used with --no_ssh")
     if args.no_ssh or (len(active) == 1 and not args.force_multi):

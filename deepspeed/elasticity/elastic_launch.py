@@ -1,0 +1,76 @@
+"""``deepspeed --elastic_training``: run this node's workers under torch.distributed.elastic.
+
+Each node's ``deepspeed`` process becomes a :class:`DSElasticAgent` that joins a
+``c10d`` rendezvous at ``--master_addr:--master_port`` (the rendezvous store; workers get
+their own free port for ``torch.distributed``) with between ``--min_elastic_nodes`` and
+``--max_elastic_nodes`` nodes. When a worker fails or a node leaves or joins, every agent
+stops its workers and starts them again at the new world size (up to ``MAX_RESTARTS``
+times); the training script resumes from its latest checkpoint and the elastic config
+(``elasticity`` section) keeps the global batch size. ``$DEEPSPEED_ELASTICITY_CONFIG``
+is passed through to the workers when set.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict, List
+
+#: DeepSpeed's launcher allows 100 restarts of an elastic job.
+MAX_RESTARTS = 100
+#: Seconds between the agent's health checks of its workers (DeepSpeed: 5).
+MONITOR_INTERVAL = 1.0
+
+
+def worker_command(args) -> List[str]:
+    """The argv every worker runs (``--local_rank`` filled in per worker by the agent)."""
+    from torch.distributed.elastic.utils import macros
+    if args.no_python:
+        cmd = [args.user_script]
+    elif args.module:
+        cmd = [sys.executable, "-u", "-m", args.user_script]
+    else:
+        cmd = [sys.executable, "-u", args.user_script]
+    if not args.no_local_rank:
+        cmd.append(f"--local_rank={macros.local_rank}")
+    return cmd + list(args.user_args)
+
+
+def node_range(args, num_nodes: int):
+    """``(min_nodes, max_nodes)`` from the arguments (defaults: 1 and the nodes in use)."""
+    lo = args.min_elastic_nodes if args.min_elastic_nodes > 0 else 1
+    hi = args.max_elastic_nodes if args.max_elastic_nodes > 0 else max(num_nodes, lo)
+    if lo > hi:
+        raise ValueError(f"--min_elastic_nodes ({lo}) must not exceed --max_elastic_nodes ({hi})")
+    return lo, hi
+
+
+def run_elastic(args, procs_per_node: int, num_nodes: int, env: Dict[str, str]) -> int:
+    """Run this node's ``procs_per_node`` workers under the elastic agent; the exit code."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from ..utils.logging import logger
+    from .elastic_agent import DSElasticAgent
+
+    lo, hi = node_range(args, num_nodes)
+    cmd = worker_command(args)
+    params = RendezvousParameters(backend="c10d", endpoint=f"{args.master_addr}:{args.master_port}",
+                                  run_id=os.environ.get("DS_ELASTIC_RUN_ID", "deepspeed-elastic"),
+                                  min_nodes=lo, max_nodes=hi)
+    spec = WorkerSpec(role="trainer", local_world_size=procs_per_node, entrypoint=cmd[0], args=tuple(cmd[1:]),
+                      rdzv_handler=get_rendezvous_handler(params), max_restarts=MAX_RESTARTS,
+                      monitor_interval=MONITOR_INTERVAL)
+    logger.info(f"elastic training: {procs_per_node} worker(s) on this node, {lo}..{hi} nodes, rendezvous "
+                f"{args.master_addr}:{args.master_port}; worker command: {cmd}")
+    agent = DSElasticAgent(spec, env)
+    try:
+        result = agent.run()
+    finally:
+        spec.rdzv_handler.shutdown()
+    if result.state == WorkerState.SUCCEEDED:
+        return 0
+    for rank, failure in sorted(result.failures.items()):
+        logger.error(f"elastic worker (global rank {rank}) failed with exit code {failure.exitcode}: "
+                     f"{failure.message}")
+    return 1
