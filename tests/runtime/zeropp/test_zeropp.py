@@ -80,7 +80,7 @@ def _train(eng, rank, world_size, counter):
         loss = torch.nn.functional.mse_loss(out, ys)
         eng.backward(loss)
         eng.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     wire = counter.take()                       # the training steps' collectives only
     sd = {k: v.float() for k, v in eng.module_state_dict().items()}
     return probe, losses, sd, wire
@@ -196,15 +196,19 @@ def test_qgz_trains_near_fp32_and_quarter_bytes(ws2):
 
 
 def test_unbuilt_zeropp_keys_refused():
-    import deepspeed
+    """The stage-3 strategy refuses the ZeRO++ keys that are not built (checked before any
+    partitioning; the engine calls it from the strategy's constructor)."""
+    from deepspeed.config import DeepSpeedConfig
     from deepspeed.config.errors import DeepSpeedConfigError
+    from deepspeed.runtime.zero.stage3 import _refuse_unsupported
     for extra, key in (({"zero_quantized_nontrainable_weights": True}, "zero_quantized_nontrainable_weights"),
                        ({"zero_hpz_partition_size": 2}, "zero_hpz_partition_size"),
                        ({"mics_shard_size": 2}, "mics_shard_size")):
-        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **extra}}
+        cfg = DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {"stage": 3, **extra}})
         with pytest.raises(DeepSpeedConfigError, match=key):
-            deepspeed.initialize(model=_model(), optimizer=torch.optim.SGD(_model().parameters(), lr=0.1),
-                                 config=cfg)
+            _refuse_unsupported(cfg.zero)
+    _refuse_unsupported(DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {
+        "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}}).zero)   # built: accepted
 
 
 @pytest.mark.parametrize("key", ["zero_quantized_weights", "zero_quantized_gradients"])
