@@ -119,7 +119,6 @@ DEFAULT_MODULES = [
 OUT_OF_SCOPE = {
     "autotuning": "autotuning (own open issue)",
     "compression": "compression (own open issue)",
-    "elasticity": "elasticity (own open issue)",
     "hybrid_engine": "hybrid engine (own open issue)",
     "inference": "inference (own open issue)",
     "module_inject": "AutoTP / inference injection (own open issue)",
