@@ -74,6 +74,7 @@ def test_autotuning_run_tunes_then_trains_with_the_fastest_config(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1600)   # eleven two-rank experiments, each a launcher subprocess
 def test_autotuning_two_ranks_stages_knobs_and_a_crashing_micro_batch(tmp_path):
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": [1, 3]},
