@@ -10,7 +10,7 @@ become integers:
 
 Symmetric and unclamped (``-qmax..qmax``, the value ``-2**(bits-1)`` is never used), so
 every element satisfies ``|x - deq(q(x))| <= scale_b / 2`` (plus fp32 rounding of the
-product). An all-zero block gets scale 1 and all-zero codes. int4 codes travel packed,
+product). An all-zero block gets scale 0 and all-zero codes (exact). int4 codes travel packed,
 two to a byte (:func:`pack_int4` / :func:`unpack_int4`).
 
 DeepSpeed's CUDA quantizer uses 2**bits levels (``[-128, 127]`` for int8) with the step
@@ -52,8 +52,9 @@ def quantize_blockwise(x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, bi
         flat = torch.nn.functional.pad(flat, (0, pad))
     blocks = flat.view(nb, block_size)
     absmax = blocks.abs().amax(dim=1)
-    scales = torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
-    codes = torch.round(blocks / scales.unsqueeze(1)).clamp_(-qmax, qmax).to(torch.int8)
+    scales = absmax / qmax
+    divisor = torch.where(absmax > 0, scales, torch.ones_like(scales))   # an all-zero block: codes 0, scale 0
+    codes = torch.round(blocks / divisor.unsqueeze(1)).clamp_(-qmax, qmax).to(torch.int8)
     return codes, scales
 
 

@@ -15,8 +15,8 @@ def _numpy_reference(x: np.ndarray, block: int, bits: int):
     padded[:flat.size] = flat
     blocks = padded.reshape(nb, block)
     absmax = np.abs(blocks).max(axis=1)
-    scales = np.where(absmax > 0, absmax / qmax, 1.0)
-    codes = np.clip(np.round(blocks / scales[:, None]), -qmax, qmax)
+    scales = absmax / qmax
+    codes = np.clip(np.round(blocks / np.where(scales > 0, scales, 1.0)[:, None]), -qmax, qmax)
     return codes, scales
 
 
@@ -46,7 +46,8 @@ def test_blockwise_matches_numpy_and_bound(bits, numel, block):
 def test_zero_block_and_dtype_round_trip():
     x = torch.zeros(10, dtype=torch.bfloat16)
     codes, scales = quantize_blockwise(x, block_size=4)
-    assert torch.equal(scales, torch.ones(3)) and int(codes.abs().sum()) == 0
+    assert torch.equal(scales, torch.zeros(3)) and int(codes.abs().sum()) == 0
+    assert torch.equal(dequantize_blockwise(codes, scales, 10), torch.zeros(10))
     y = torch.tensor([1.0, -2.0, 0.5, 4.0], dtype=torch.bfloat16)
     c, s = quantize_blockwise(y, block_size=4)
     assert float(s[0]) == pytest.approx(4.0 / 127)
