@@ -78,15 +78,15 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     flat = codes.reshape(-1)
     if flat.numel() % 2:
         raise ValueError(f"pack_int4: needs an even number of codes, got {flat.numel()}")
-    u = (flat.to(torch.int16) & 0xF).to(torch.uint8).view(-1, 2)
+    u = (flat.contiguous().view(torch.uint8) & 0xF).view(-1, 2)   # two's complement: the low nibble
     return u[:, 0] | (u[:, 1] << 4)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 from :func:`pack_int4` -> int8 codes (twice as many)."""
-    p = packed.reshape(-1).to(torch.int16)
-    nib = torch.stack((p & 0xF, (p >> 4) & 0xF), dim=1).reshape(-1)
-    return torch.where(nib >= 8, nib - 16, nib).to(torch.int8)
+    p = packed.reshape(-1)
+    nib = torch.stack((p & 0xF, p >> 4), dim=1).reshape(-1).view(torch.int8)
+    return (nib ^ 8) - 8                                           # sign-extend 4 bits
 
 
 def quantization_error_bound(scales: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,7 @@ def _decode(payload: torch.Tensor, scales: torch.Tensor, bits: int, block: int) 
 
 def _exchange(rows: torch.Tensor, group, bits: int, block: int, extra: torch.Tensor = None):
     """Quantize row r of ``rows`` (k, n) and send it to group rank r; returns the received
-    dequantized rows (k, nb*block), their per-element half-scale bound (k, nb*block) and the
+    dequantized rows (k, nb*block), their per-block half-scale bound (k, nb), the block used and the
     received ``extra`` rows (k, nb) (a per-block value that travels with the scales)."""
     k, n = rows.shape
     block = min(block, max(2, n + n % 2))    # a short row is one block, not padded to a full one
@@ -74,9 +74,9 @@ def _exchange(rows: torch.Tensor, group, bits: int, block: int, extra: torch.Ten
     sent = payload.numel() * payload.element_size() + side.numel() * side.element_size()
     got_scales = got_side[:, :nb].contiguous()
     vals = _decode(got_payload, got_scales, bits, block)
-    half = (got_scales / 2).repeat_interleave(block, dim=1)
+    half = got_scales / 2
     got_extra = got_side[:, nb:] if extra is not None else None
-    return vals, half, got_extra, sent
+    return vals, half, block, got_extra, sent
 
 
 def quantized_reduce_scatter_rows(out: torch.Tensor, rows: torch.Tensor, group=None, bits: int = QGZ_DEFAULT_BITS,
@@ -85,9 +85,9 @@ def quantized_reduce_scatter_rows(out: torch.Tensor, rows: torch.Tensor, group=N
     (``rows``: (world_size, n)), sent quantized through one all-to-all. Returns (and
     records in :data:`last_reduce_stats`) the bytes sent and the error bound."""
     n = rows.shape[1]
-    vals, half, _, sent = _exchange(rows, group, bits, block_size)
+    vals, half, _, _, sent = _exchange(rows, group, bits, block_size)
     out.copy_(vals.sum(dim=0)[:n])
-    stats = {"sent_bytes": sent, "error_bound": float(half.sum(dim=0)[:n].max()) if n else 0.0}
+    stats = {"sent_bytes": sent, "error_bound": float(half.sum(dim=0).max()) if n else 0.0}   # every block holds real elements
     last_reduce_stats.clear()
     last_reduce_stats.update(stats)
     return stats
@@ -101,16 +101,16 @@ def _hierarchical_sum(flat: torch.Tensor, chunk: int, local_group, global_group,
     grid = padded.view(N, L, chunk)                         # [node n, local l] -> chunk for rank n*L+l
     # 1) inside the node: local peer l gets every node's chunk for local index l
     intra = grid.transpose(0, 1).reshape(L, N * chunk)
-    vals, half, _, sent1 = _exchange(intra, local_group, bits, block)
+    vals, half, blk1, _, sent1 = _exchange(intra, local_group, bits, block)
     partial = vals.sum(dim=0)[:N * chunk].view(N, chunk)    # summed over this node's ranks
-    local_bound = half.sum(dim=0)[:N * chunk].view(N, chunk)
+    local_bound = half.sum(dim=0).repeat_interleave(blk1)[:N * chunk].view(N, chunk)
     # 2) across nodes: node n gets this node's partial sum of its chunk (+ its bound, per block)
     block2 = min(block, max(2, chunk + chunk % 2))    # the block _exchange uses for rows of `chunk`
     nb = max(1, math.ceil(chunk / block2))
     lb = torch.nn.functional.pad(local_bound, (0, nb * block2 - chunk)).view(N, nb, block2).amax(dim=2)
-    vals2, half2, got_lb, sent2 = _exchange(partial, global_group, bits, block, extra=lb)
+    vals2, half2, _, got_lb, sent2 = _exchange(partial, global_group, bits, block, extra=lb)
     total = vals2.sum(dim=0)[:chunk]
-    bound = (half2 + got_lb.repeat_interleave(block2, dim=1)).sum(dim=0)[:chunk]
+    bound = (half2 + got_lb).sum(dim=0)       # per block of my chunk
     return total, float(bound.max()) if chunk else 0.0, sent1 + sent2
 
 
