@@ -216,3 +216,34 @@ def test_quantized_keys_need_stage_3(key):
     from deepspeed.config import DeepSpeedConfig
     with pytest.raises(Exception, match=f"{key}.*stage"):
         DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {"stage": 2, key: True}})
+
+
+def _body_bf16_both(rank, world_size):
+    import deepspeed
+    from deepspeed.runtime.zero.zeropp import zeropp_stats
+    cfg = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True,
+                                 "zero_quantized_gradients": True, "reduce_bucket_size": 300}}
+    model = _model()
+    eng, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg)
+    losses = []
+    for x, y in _batches(world_size):
+        out = eng(x[rank * 4:(rank + 1) * 4].bfloat16())
+        loss = torch.nn.functional.mse_loss(out.float(), y[rank * 4:(rank + 1) * 4])
+        eng.backward(loss)
+        eng.step()
+        losses.append(float(loss.detach()))
+    st = zeropp_stats(eng.strategy.comm).as_dict()
+    eng.destroy()
+    return losses, st
+
+
+@pytest.mark.slow
+def test_bf16_qwz_and_qgz_together_train():
+    for losses, st in run_distributed(_body_bf16_both, world_size=2, timeout=120):
+        assert losses[-1] < 0.8 * losses[0], losses
+        # bf16 gathers would send 2 bytes/element: int8 + scales is about half of that
+        assert st["gather_bytes"] <= 0.6 * st["gather_full_bytes"], st
+        # several small buckets (reduce_bucket_size 300) each quantized: still ~1/4 of bf16
+        assert st["reduce_bytes"] <= 0.35 * st["reduce_full_bytes"], st
+        assert st["weight_error_bound"] > 0 and st["grad_error_bound"] > 0
