@@ -57,7 +57,10 @@ def run_elastic(args, procs_per_node: int, num_nodes: int, env: Dict[str, str]) 
     cmd = worker_command(args)
     params = RendezvousParameters(backend="c10d", endpoint=f"{args.master_addr}:{args.master_port}",
                                   run_id=os.environ.get("DS_ELASTIC_RUN_ID", "deepspeed-elastic"),
-                                  min_nodes=lo, max_nodes=hi)
+                                  min_nodes=lo, max_nodes=hi,
+                                  # the rendezvous store lives with node 0 (--master_addr), never elsewhere:
+                                  # a node that leaves must not take the store with it
+                                  is_host=max(getattr(args, "node_rank", -1), 0) == 0)
     spec = WorkerSpec(role="trainer", local_world_size=procs_per_node, entrypoint=cmd[0], args=tuple(cmd[1:]),
                       rdzv_handler=get_rendezvous_handler(params), max_restarts=MAX_RESTARTS,
                       monitor_interval=MONITOR_INTERVAL)
