@@ -9,7 +9,8 @@ Parts:
   * ``elastic_agent.py`` :class:`DSElasticAgent`, a ``torch.distributed.elastic`` agent that adds
                       the launcher's environment to every worker (``deepspeed --elastic_training``).
 """
-from .config import ElasticityConfig, ElasticityConfigError, ElasticityError, ElasticityIncompatibleWorldSize  # noqa: F401
+from .config import (ElasticityConfig, ElasticityConfigError, ElasticityError,  # noqa: F401
+                     ElasticityIncompatibleWorldSize)
 from .constants import ELASTICITY, ENABLED, ENABLED_DEFAULT  # noqa: F401
 from .elasticity import compute_elastic_config, elasticity_enabled, ensure_immutable_elastic_config  # noqa: F401
 from .utils import is_torch_elastic_compatible  # noqa: F401

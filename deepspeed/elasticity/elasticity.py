@@ -280,7 +280,8 @@ def compute_elastic_config(ds_config: dict, target_deepspeed_version: str, world
         micro = _largest_dividing_micro_batch(cfg.micro_batches, final_batch_size // world_size)
         if micro is None:
             raise ElasticityError(f"No micro batch in {cfg.micro_batches} divides the per-GPU batch "
-                                  f"{final_batch_size // world_size} (batch {final_batch_size}, world size {world_size}).")
+                                  f"{final_batch_size // world_size} (batch {final_batch_size}, "
+                                  f"world size {world_size}).")
         return final_batch_size, valid_gpus, micro
     if return_microbatch:
         if ver == 0.2:
