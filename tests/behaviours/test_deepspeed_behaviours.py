@@ -107,7 +107,7 @@ def test_client_optimizer_wins_over_config_section(caplog_ds):
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     engine, eopt, _, esched = deepspeed.initialize(
         model=model, optimizer=opt, lr_scheduler=sched, config=_cfg(
-            optimizer={"type": "Adam", "params": {"lr": 1.0}},
+            optimizer={"type": "Adam", "params": {"lr": 1.0}}, gradient_clipping=0.0,
             scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": 1.0}}))
     assert esched is sched
     text = caplog_ds.text
@@ -209,7 +209,7 @@ def test_offload_param_below_stage_3_is_ignored(stage, caplog_ds):
     model = make_model()
     ref = copy.deepcopy(model)
     engine, *_ = deepspeed.initialize(model=model, config=_cfg(
-        zero_optimization={"stage": stage, "offload_param": {"device": "cpu"}},
+        zero_optimization={"stage": stage, "offload_param": {"device": "cpu"}}, gradient_clipping=0.0,
         optimizer={"type": "SGD", "params": {"lr": 0.1}}))
     assert "ignored at stage" in caplog_ds.text
     x, y = torch.randn(2, 8), torch.randn(2, 4)
