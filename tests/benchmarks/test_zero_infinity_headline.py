@@ -19,6 +19,7 @@ def _bench():
     return mod
 
 
+@pytest.mark.slow   # the headline benchmark's own check (make test-all)
 def test_tiny_nvme_run_trains_and_matches_plain_pytorch(tmp_path):
     bench = _bench()
     r = bench.main(["--size", "tiny", "--run", "both", "--offload", "nvme", "--nvme-path", str(tmp_path),
@@ -47,6 +48,7 @@ def test_tiny_nvme_run_trains_and_matches_plain_pytorch(tmp_path):
     assert plain["returncode"] == 0 and plain["child"]["failed_in"] is None
 
 
+@pytest.mark.slow   # the headline benchmark's own check (make test-all)
 def test_plain_pytorch_under_a_small_cap_fails_after_construction():
     bench = _bench()
     # 134M parameters: 0.54 GB of fp32 weights fit under the cap; gradients and Adam moments do not

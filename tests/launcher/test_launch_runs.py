@@ -171,7 +171,7 @@ rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc
 """
 
 
-@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+@pytest.mark.parametrize("launcher", ["ssh", pytest.param("pdsh", marks=pytest.mark.slow)])   # one in make test
 def test_two_nodes_through_local_stand_in(tmp_path, launcher):
     """The ssh and pdsh back-ends for real, with the tool replaced by a script that runs
     the remote command in a local shell: exercises quoting, cd, exports, node ranks and

@@ -308,14 +308,20 @@ def _child(mode, path):
 
 def _result(proc, timeout):
     deadline = time.time() + timeout
-    line = ""
+    line, seen = "", []
     while time.time() < deadline:
         line = proc.stdout.readline()
-        if line.startswith("{") or proc.poll() is not None:
+        if line.startswith("{"):
+            break
+        if line:
+            seen.append(line)
+        elif proc.poll() is not None:    # EOF and exited: nothing more will come
             break
     if not line.startswith("{"):
         proc.kill()
-        raise AssertionError(f"child failed: {proc.stderr.read()[-3000:]}")
+        proc.wait(10)
+        raise AssertionError(f"child failed (exit code {proc.returncode}); stdout tail: {''.join(seen)[-2000:]}\n"
+                             f"stderr tail: {proc.stderr.read()[-3000:]}")
     return json.loads(line)
 
 
