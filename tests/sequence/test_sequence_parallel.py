@@ -190,6 +190,11 @@ def test_checkpoint_reloads_at_another_sequence_parallel_degree(sp2_world):
     data = M.batches(STEPS + 1, batch=2)
     ref = M.reference_params(data, LR, seed=7)
     out = run_distributed(_resume_body, world_size=1, args=(ckpt, data), timeout=120)[0]
+    import glob
+    import os
+    states = sorted(glob.glob(os.path.join(ckpt, "sp", "*mp_rank_00_model_states.pt")))[0]   # ZeRO-3: zero_pp_rank_0_...
+    # DeepSpeed writes the sequence-data-parallel size here (sp 2 x dp 1), not dp alone
+    assert torch.load(states, weights_only=False, map_location="cpu")["dp_world_size"] == 2
     for k in ref[STEPS - 1]:
         assert torch.equal(out["loaded"][k].float(), res[0]["train3"]["snaps"][-1][k].float()), k
         assert torch.allclose(out["next"][k].float(), ref[STEPS][k], atol=2e-6, rtol=1e-5), k

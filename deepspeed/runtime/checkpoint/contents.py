@@ -152,7 +152,8 @@ def model_states(engine, module_sd, client_state: Optional[dict], *, zero_groups
         "skipped_steps": engine.skipped_steps,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
-        "dp_world_size": engine.dp_world_size,
+        # DeepSpeed writes the sequence-data-parallel size (dp x sp) here (its engine: seq_dp_world_size)
+        "dp_world_size": getattr(engine, "seq_dp_world_size", engine.dp_world_size),
         "mp_world_size": engine.mp_world_size,
         "checkpoint_parallel_dimensions": {"pp_degree": int(pp), "tp_degree": int(engine.mp_world_size)},
         "ds_config": engine.config,
