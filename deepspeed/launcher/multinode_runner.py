@@ -134,6 +134,15 @@ class MultiNodeRunner:
                     f"tasks on slots 0..n-1 only. Use --num_gpus, or --launcher pdsh/ssh to pick "
                     f"specific slots")
 
+    def equal_slots_per_node(self, launcher: str) -> int:
+        """The slot count every node shares (Slurm and MVAPICH start ``n`` tasks on each node)."""
+        per_node = {len(s) for s in self.resources.values()}
+        if len(per_node) != 1:
+            counts = ", ".join(f"{h}={len(s)}" for h, s in self.resources.items())
+            raise ResourceError(f"--launcher {launcher} needs the same number of slots on every node, got "
+                                f"{counts}; use --num_gpus to even them out")
+        return per_node.pop()
+
     def host_counts(self, sep: str = ":") -> str:
         return ",".join(f"{h}{sep}{len(s)}" for h, s in self.resources.items())
 
@@ -255,16 +264,12 @@ class SlurmRunner(MultiNodeRunner):
     def node_commands(self, environment, active_resources=None):
         self._use(active_resources)
         self.require_leading_slots()
-        per_node = {len(s) for s in self.resources.values()}
-        if len(per_node) != 1:
-            counts = ", ".join(f"{h}={len(s)}" for h, s in self.resources.items())
-            raise ResourceError(f"--launcher slurm needs the same number of slots on every node, got "
-                                f"{counts}; use --num_gpus to even them out")
+        per_node = self.equal_slots_per_node("slurm")
         exports = self.mpi_exports()
         env = dict(environment)
         env.update(exports)
         argv = ["srun", "-n", str(total_slots(self.resources)), "--nodes", str(len(self.resources)),
-                "--ntasks-per-node", str(per_node.pop()), "--nodelist", ",".join(self.resources),
+                "--ntasks-per-node", str(per_node), "--nodelist", ",".join(self.resources),
                 "--chdir", self.cwd, "--export=" + ",".join(["ALL"] + list(exports))]
         return [NodeCommand("srun", argv + self.launcher_args + self.script_argv(), env)]
 
@@ -300,14 +305,10 @@ class MVAPICHRunner(MultiNodeRunner):
     def node_commands(self, environment, active_resources=None):
         self._use(active_resources)
         self.require_leading_slots()
-        per_node = {len(s) for s in self.resources.values()}
-        if len(per_node) != 1:
-            counts = ", ".join(f"{h}={len(s)}" for h, s in self.resources.items())
-            raise ResourceError(f"--launcher mvapich needs the same number of slots on every node, got {counts}; "
-                                f"use --num_gpus to even them out")
+        per_node = self.equal_slots_per_node("mvapich")
         with open(MVAPICH_TMP_HOSTFILE, "w") as f:
             f.write("".join(f"{h}\n" for h in self.resources))
-        argv = ["mpirun", "-np", str(total_slots(self.resources)), "-ppn", str(per_node.pop()),
+        argv = ["mpirun", "-np", str(total_slots(self.resources)), "-ppn", str(per_node),
                 "--hostfile", MVAPICH_TMP_HOSTFILE] + self.launcher_args
         for k, v in self.mpi_exports().items():
             argv += ["-env", f"{k}={v}"]
