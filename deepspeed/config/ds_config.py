@@ -32,6 +32,7 @@ from .sections import (ActivationCheckpointingSection, AmpSection, BF16Section, 
                        TorchAutocastSection, ZeroSection)
 
 AnyDict = Optional[Dict[str, Any]]
+GRADIENT_ALLREDUCE_OPS = ("mean", "sum")
 
 
 class DeepSpeedConfigModel(DSConfigModel):
@@ -47,6 +48,9 @@ class DeepSpeedConfigModel(DSConfigModel):
     memory_breakdown: bool = False
     prescale_gradients: bool = False
     gradient_predivide_factor: float = Field(1.0, gt=0)
+    # how data-parallel gradients are combined: "mean" (average over the ranks) or "sum" (no
+    # division at all: predivide/prescale do not apply); any capitalisation, as DeepSpeed 0.19
+    gradient_allreduce_op: str = "mean"
     # DeepSpeed 0.19.3+ GRADIENT_CLIPPING_DEFAULT is 1.0 (was 0); the config reference documents 1.0.
     gradient_clipping: float = Field(1.0, ge=0)
     dataloader_drop_last: bool = False
@@ -68,6 +72,15 @@ class DeepSpeedConfigModel(DSConfigModel):
     # bf16.check_grad_overflow, does with a NaN/Inf global gradient norm - skip it (warn, count
     # it in skipped_steps) or raise (deepspeed.runtime.nonfinite).
     nonfinite_gradients: Literal["skip", "raise"] = "skip"
+
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _allreduce_op(cls, v):
+        value = v.lower() if isinstance(v, str) else v
+        if value not in GRADIENT_ALLREDUCE_OPS:
+            raise ValueError(f"Invalid gradient_allreduce_op. Supported operations: {list(GRADIENT_ALLREDUCE_OPS)}. "
+                             f"Got: {v!r}")
+        return value
 
     @field_validator("steps_per_print", mode="before")
     @classmethod
@@ -226,9 +239,28 @@ class DeepSpeedConfig:
             resolve_batch_sizes(*batch, world_size)
         self._validate_cross_section()
 
+    def _configure_train_batch_size(self):
+        """DeepSpeed's name for the batch-size resolution: re-resolves ``train_batch_size``,
+        ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps`` from these
+        attributes as they stand now (any two give the third; None = not given) over
+        ``self.world_size``, and raises ``DeepSpeedConfigAssertionError`` (an ``AssertionError``,
+        as DeepSpeed's own check) when they do not fit together."""
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = \
+            resolve_batch_sizes(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                self.gradient_accumulation_steps, self.world_size)
+
+    @property
+    def _param_dict(self) -> dict:
+        """DeepSpeed's name for the config dict as the user gave it (``self.raw``)."""
+        return self.raw
+
     # -- cross-section rules -------------------------------------------------
     def _validate_cross_section(self):
         m = self.model
+        if m.gradient_allreduce_op == "sum" and m.zero_optimization.stage == 3:
+            # as DeepSpeed 0.19: ZeRO-3's reduce-scatter always averages
+            raise DeepSpeedConfigError("gradient_allreduce_op='sum' is not supported with ZeRO stage 3; use "
+                                       "'mean' (the default) or zero_optimization.stage 0, 1 or 2.")
         if m.fp16.enabled and m.bf16.enabled:  # DeepSpeed asserts this
             raise DeepSpeedConfigAssertionError(
                 "fp16.enabled and bf16.enabled are both true; choose one 16-bit format.")
@@ -327,6 +359,22 @@ class DeepSpeedConfig:
     @property
     def wall_clock_breakdown(self) -> bool:
         return self.model.wall_clock_breakdown
+
+    # DeepSpeed's flat eigenvalue_* attributes, from the "eigenvalue" section (defaults without one)
+    def _eigenvalue(self, key):
+        section = self.model.eigenvalue
+        if section is None:
+            section = EigenvalueSection()
+        return getattr(section, key)
+
+    eigenvalue_enabled = property(lambda self: self._eigenvalue("enabled"))
+    eigenvalue_verbose = property(lambda self: self._eigenvalue("verbose"))
+    eigenvalue_max_iter = property(lambda self: self._eigenvalue("max_iter"))
+    eigenvalue_tol = property(lambda self: self._eigenvalue("tol"))
+    eigenvalue_stability = property(lambda self: self._eigenvalue("stability"))
+    eigenvalue_gas_boundary_resolution = property(lambda self: self._eigenvalue("gas_boundary_resolution"))
+    eigenvalue_layer_name = property(lambda self: self._eigenvalue("layer_name"))
+    eigenvalue_layer_num = property(lambda self: self._eigenvalue("layer_num"))
 
     @property
     def optimizer_name(self):

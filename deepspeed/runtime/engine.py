@@ -274,12 +274,23 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
         # the fp16 loss scale: the scaled copy only drives the backward pass.
         # Sequence parallelism sums gradients over the sequence ranks (runtime/sequence_parallel/engine_groups.py)
         scaled = self.strategy.scale_loss(loss * self._sp_grad_factor if self._sp_grad_factor != 1.0 else loss)
-        self.strategy.backward(scaled, sync=allreduce_gradients and self.is_gradient_accumulation_boundary(),
-                               retain_graph=retain_graph)
+        boundary = self.is_gradient_accumulation_boundary()
+        self.strategy.backward(scaled, sync=allreduce_gradients and boundary, retain_graph=retain_graph)
+        # backward(allreduce_gradients=False) on the boundary: engine.allreduce_gradients() reduces later
+        self._unreduced_grads = boundary and not allreduce_gradients
         if obs is not None:
             obs.backward_end()
         self.timers(BACKWARD).stop()
         return loss
+
+    def allreduce_gradients(self, bucket_size=None):
+        """Reduce across the data-parallel ranks the gradients that a boundary
+        ``backward(loss, allreduce_gradients=False)`` left local (DeepSpeed's explicit reduction).
+        After a backward that reduced (the default) there is nothing pending and this does nothing;
+        ``bucket_size`` is accepted for DeepSpeed's signature (the configured buckets are used)."""
+        if getattr(self, "_unreduced_grads", False):
+            self.strategy.allreduce_gradients()
+            self._unreduced_grads = False
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:

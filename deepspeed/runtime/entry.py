@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from ..config import DeepSpeedConfig
 from ..config.errors import DeepSpeedConfigError
 
@@ -30,6 +32,10 @@ def _config_source(args, config, config_params):
     return sources[0][1]
 
 
+class MissingModelError(TypeError, AssertionError):
+    """``deepspeed.initialize`` without a model (DeepSpeed asserts it: an ``AssertionError`` too)."""
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None,
                collate_fn=None, config=None, mesh_param=None, config_params=None):
@@ -44,7 +50,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     from .engine import DeepSpeedEngine
     source = _config_source(args, config, config_params)
     if model is None:
-        raise TypeError("deepspeed.initialize: 'model' is required.")
+        hint = (" (a torch.nn.Module was passed as the first positional argument, which is 'args': pass it "
+                "as model=...)" if isinstance(args, torch.nn.Module) else "")
+        raise MissingModelError(f"deepspeed.initialize requires a model: pass model=<torch.nn.Module>{hint}.")
     comm.init_distributed(dist_init_required=dist_init_required, verbose=False,
                           distributed_port=distributed_port or 29500)
     engine_cls = DeepSpeedEngine

@@ -74,6 +74,11 @@ class TrainingStrategy(ABC):
         the accumulation boundary and gradients must be reduced across ranks by the time
         :meth:`step` runs."""
 
+    def allreduce_gradients(self) -> None:
+        """Reduce, now, the gradients a boundary ``backward(sync=False)`` left local to this rank
+        (``engine.allreduce_gradients()``). Strategies that reduce in every backward (ZeRO-2/3)
+        have nothing left to do."""
+
     @abstractmethod
     def step(self) -> StepOutcome:
         """Apply one optimizer update at the accumulation boundary (clip, update, zero grads)."""

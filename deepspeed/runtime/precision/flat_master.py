@@ -111,7 +111,9 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         self.world = ctx.dp_world_size
         # gradients are sums over ``world`` ranks divided by ``average_over``; the MoE composite
         # sets it to the whole data-parallel size for expert parameters (reduced over fewer ranks)
-        self.average_over = self.world
+        # (``gradient_allreduce_op: "sum"``: 1, the sum is kept and no predivide applies)
+        self.sum_gradients = cfg.model.gradient_allreduce_op == "sum"
+        self.average_over = 1 if self.sum_gradients else self.world
         self.rank = ctx.dp_rank
         self.n_parts = self.world if self.partition_master else 1
         self.part_rank = self.rank if self.partition_master else 0
@@ -122,7 +124,8 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         self.clip = cfg.gradient_clipping
         pre = cfg.model.gradient_predivide_factor
         # divide before the collective; the rest of 1/N is folded into the step's multiply
-        self.predivide = pre if (cfg.model.prescale_gradients or pre != 1.0) and self.world > 1 else 1.0
+        self.predivide = pre if (cfg.model.prescale_gradients or pre != 1.0) and self.world > 1 \
+            and not self.sum_gradients else 1.0
         self.ignore_unused = z.ignore_unused_parameters
         # As at stage 0: one 5e8 bucket (the documented default) cannot overlap backward, so
         # unless the config sets reduce_bucket_size, buckets hold 4M elements.
@@ -320,6 +323,13 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
                     f"Parameters received no gradient in this accumulation window: {missing[:10]}"
                     f"{' ...' if len(missing) > 10 else ''}. Set zero_optimization.ignore_unused_parameters "
                     f"true to treat their gradients as zero, or freeze them (requires_grad=False).")
+
+    def allreduce_gradients(self) -> None:
+        """Reduce the full gradient buffers a boundary backward(sync=False) left local (stages 0/1;
+        stage 2 reduces into the partitions in every backward)."""
+        if not self.partition_grads and self.world > 1 and gradient_allreduce_needed(self.inner):
+            self.reducer.armed = True
+            self.reducer.finish()
 
     # ------------------------------------------------------------------ step
     def step(self, closure=None) -> StepOutcome:

@@ -60,16 +60,18 @@ class GradientBucketer:
 
     ``reduce_op`` post-processing: gradients are divided by ``predivide`` before the
     all-reduce and by ``world/predivide`` after it, which averages them
-    (``prescale_gradients`` / ``gradient_predivide_factor`` of the config).
+    (``prescale_gradients`` / ``gradient_predivide_factor`` of the config). With
+    ``average=False`` (``gradient_allreduce_op: "sum"``) the all-reduced sum is kept as it is.
     """
 
     def __init__(self, params, bucket_size: int, group, world_size: int, *, overlap: bool,
-                 prescale: bool = False, predivide: float = 1.0, dtype=None):
+                 prescale: bool = False, predivide: float = 1.0, dtype=None, average: bool = True):
         self.group = group
         self.world_size = world_size
         self.overlap = overlap
-        self.prescale = prescale
-        self.predivide = predivide
+        self.average = average
+        self.prescale = prescale if average else False
+        self.predivide = predivide if average else 1.0
         self.dtype = dtype
         self.buckets: list[_Bucket] = []
         cur, cur_n = [], 0
@@ -125,7 +127,7 @@ class GradientBucketer:
             self._launch(self.buckets[self._next])
             self._next += 1
         pre = self.predivide if self.prescale or self.predivide != 1.0 else 1.0
-        post = self.world_size / pre
+        post = self.world_size / pre if self.average else 1.0
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
@@ -174,7 +176,8 @@ class DataParallelStrategy(TrainingStrategy):
             ps, self.reduce_bucket_size, group, ctx.dp_world_size,
             overlap=z.overlap, prescale=cfg.model.prescale_gradients,
             predivide=cfg.model.gradient_predivide_factor,
-            dtype=comm_dtype(cfg.model.communication_data_type))
+            dtype=comm_dtype(cfg.model.communication_data_type),
+            average=cfg.model.gradient_allreduce_op == "mean")
             # world size = the divisor: the data-parallel size for every group (an expert's
             # gradient already sums its expert-parallel group's tokens); the collective runs
             # over ``group``
@@ -198,6 +201,13 @@ class DataParallelStrategy(TrainingStrategy):
         if reduce_now:
             for b in self.bucketers:
                 b.finish()
+
+    def allreduce_gradients(self) -> None:
+        if self.ctx.dp_world_size > 1 and gradient_allreduce_needed(self.optimizer):
+            for b in self.bucketers:
+                if b.world_size > 1:
+                    b.armed = True
+                    b.finish()
 
     def step(self) -> StepOutcome:
         # the global norm (DeepSpeed computes it at fp32 stage 0 only when clipping): a NaN/Inf
