@@ -70,8 +70,36 @@ class OffloadParamSection(DSConfigModel):
     pin_memory: bool = False
 
 
+#: DeepSpeed 0.19's default ZeRO-3 leaf classes (sparse MoE blocks, whose experts run in a
+#: data-dependent order): marked at initialize when the model has them.
+DEFAULT_LEAF_MODULE_CLASSES = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+DEFAULT_LEAF_MODULE_NAMES: list = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list = []
+
+
+class LeafModuleSection(DSConfigModel):
+    """``zero_optimization.leaf_module``: modules ZeRO-3 treats as leaves (one gather for the
+    subtree), chosen by class (name or fully qualified name), module name, or name suffix.
+    A single string is read as a one-element list; duplicates are dropped."""
+
+    classes: List[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    names: List[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAMES))
+    name_suffixes: List[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES))
+
+    @field_validator("classes", "names", "name_suffixes", mode="before")
+    @classmethod
+    def _one_or_many(cls, v):
+        v = [v] if isinstance(v, str) else v
+        return list(dict.fromkeys(v)) if isinstance(v, (list, tuple)) else v
+
+
 class ZeroSection(DSConfigModel):
     stage: int = Field(0, ge=0, le=3)
+    leaf_module: LeafModuleSection = Field(default_factory=LeafModuleSection)
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
     reduce_bucket_size: int = Field(500_000_000, ge=1)

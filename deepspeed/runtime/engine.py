@@ -104,6 +104,9 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
         if not dont_change_device:
             model.to(self.device)
         self.module = model
+        # zero_optimization.leaf_module: ZeRO-3 leaves by class/name/suffix (DeepSpeed marks them here)
+        from ..utils.z3_leaf_module import apply_zero_leaf_module_config
+        apply_zero_leaf_module_config(model, cfg.zero.leaf_module)
         self._broadcast_model()
 
         self.timers = SynchronizedWallClockTimer() if cfg.wall_clock_breakdown else NoopTimer()

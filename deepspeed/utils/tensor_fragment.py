@@ -129,6 +129,25 @@ def safe_set_local_grad(param, value):
     _setter(o, "set_local_grad")(param, value)
 
 
+def safe_update_full_grad_vectorized(param_list, update_func):
+    """Replace the full gradient of each parameter in ``param_list`` by
+    ``update_func(current_full_grad, param)`` (the averaged, unscaled gradient that
+    :func:`safe_get_full_grad` returns; collective at ZeRO stages 1-3 like the getters: every rank
+    passes the same list). Parameters without a gradient are left alone. Valid between
+    ``engine.backward`` and ``engine.step``."""
+    for p in param_list:
+        if _owner(p) is None:
+            if p.grad is not None:
+                with torch.no_grad():
+                    p.grad.copy_(update_func(p.grad, p))
+            continue
+        if not p.requires_grad:
+            continue
+        grad = safe_get_full_grad(p)
+        if grad is not None:
+            safe_set_full_grad(p, update_func(grad, p))
+
+
 def _setter(owner, name):
     fn = getattr(owner, name, None)
     if fn is None:

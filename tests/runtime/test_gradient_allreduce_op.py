@@ -1,4 +1,5 @@
-"""``gradient_allreduce_op`` ("mean" / "sum") and ``engine.allreduce_gradients()``, against
+"""``gradient_allreduce_op`` ("mean" / "sum"), ``engine.allreduce_gradients()`` and
+``safe_update_full_grad_vectorized``, against
 hand-computed gradients: a linear loss ``(w * x).sum()`` has gradient ``x`` on each rank, so
 after one SGD step with lr 1 from w = 0 the weight is minus the reduced gradient."""
 import pytest
@@ -52,6 +53,15 @@ def _body(rank, world_size):
         engine.step()
         out[("explicit", stage)] = engine.module.weight.detach().clone()
         engine.destroy()
+    # deepspeed.utils.safe_update_full_grad_vectorized: fp32 stage 0 (p.grad) and stage 2 (partitioned)
+    from deepspeed.utils import safe_update_full_grad_vectorized
+    for stage in (0, 2):
+        engine = _engine(stage, "mean")
+        engine.backward(engine(x))
+        safe_update_full_grad_vectorized(list(engine.module.parameters()), lambda g, p: g * 3 + 1)
+        engine.step()
+        out[("update", stage)] = engine.module.weight.detach().clone()
+        engine.destroy()
     return out
 
 
@@ -69,6 +79,8 @@ def test_sum_and_mean_and_explicit_allreduce():
         torch.testing.assert_close(r[("reduced", 0)], total / 2)
         torch.testing.assert_close(r[("explicit", 0)], -total / 2)
         torch.testing.assert_close(r[("explicit", 1)], -total / 2)
+        torch.testing.assert_close(r[("update", 0)], -(total / 2 * 3 + 1))
+        torch.testing.assert_close(r[("update", 2)], -(total / 2 * 3 + 1))
     torch.testing.assert_close(res[0][("local", 0)], x)
     torch.testing.assert_close(res[1][("local", 0)], 2 * x)
 
