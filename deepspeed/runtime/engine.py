@@ -29,6 +29,7 @@ from .engine_queries import EngineConfigQueries
 from .sequence_parallel.engine_groups import resolve_sequence_parallel_mpu, sequence_parallel_layout
 from .strategy import StrategyContext
 from .strategy_factory import build_strategy
+from .torch_autocast import autocast_if_enabled
 
 FORWARD, BACKWARD, STEP = "forward", "backward", "step"
 
@@ -247,12 +248,7 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
         if cfg.fp16_enabled and cfg.fp16.auto_cast:
             inputs = tuple(_cast_floating(x, torch.float16) for x in inputs)
             kwargs = {k: _cast_floating(v, torch.float16) for k, v in kwargs.items()}
-        ac = cfg.model.torch_autocast
-        if ac.enabled:
-            dtype = torch.float16 if ac.dtype in ("float16", "fp16", "torch.float16") else torch.bfloat16
-            with torch.autocast(device_type=self.device.type, dtype=dtype):
-                out = self.module(*inputs, **kwargs)
-        else:
+        with autocast_if_enabled(self):   # the torch_autocast section (runtime/torch_autocast.py)
             out = self.module(*inputs, **kwargs)
         if obs is not None:
             obs.forward_end()
