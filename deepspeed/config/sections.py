@@ -29,7 +29,9 @@ class FP16Section(DSConfigModel):
 class BF16Section(DSConfigModel):
     enabled: bool = False
     immediate_grad_update: bool = False
-    check_grad_overflow: bool = False
+    # DeepSpeed 0.19 (DeepSpeedBF16Config): True, as fp16 - a step whose gradients hold NaN/Inf is
+    # skipped (counted in skipped_steps); false hands it to the nonfinite_gradients policy
+    check_grad_overflow: bool = True
 
 
 class TorchAutocastSection(DSConfigModel):

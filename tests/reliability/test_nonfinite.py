@@ -68,7 +68,18 @@ def test_nan_loss_at_fp32_skips_the_step(stage, caplog):
 
 def test_nan_loss_bf16_without_overflow_check_and_raise_policy():
     b1, bad, _ = _batches()
+    # bf16.check_grad_overflow defaults to true (DeepSpeed 0.19): the NaN step is an overflow skip
     eng, *_ = deepspeed.initialize(model=make_model(), config=_cfg(2, bf16={"enabled": True}))
+    assert eng.config_obj.bf16.check_grad_overflow is True and eng.strategy.skip_on_overflow
+    _step(eng, tuple(t.bfloat16() for t in b1))
+    before = _params(eng)
+    _step(eng, tuple(t.bfloat16() for t in bad))
+    assert eng.skipped_steps == 1 and all(torch.equal(before[k], v) for k, v in _params(eng).items())
+    eng.destroy()
+    # without the check, the nonfinite_gradients policy ("skip") keeps the weights finite too
+    eng, *_ = deepspeed.initialize(model=make_model(), config=_cfg(2, bf16={"enabled": True,
+                                                                           "check_grad_overflow": False}))
+    assert not eng.strategy.skip_on_overflow
     _step(eng, tuple(t.bfloat16() for t in b1))
     before = _params(eng)
     _step(eng, tuple(t.bfloat16() for t in bad))

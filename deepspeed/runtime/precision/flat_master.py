@@ -526,8 +526,8 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         self.overflow = True
         self.last_grad_norm = None
         if self.ctx.dp_rank == 0:
-            logger.info(f"[deepspeed] fp16 gradient overflow on some rank: step skipped, loss scale "
-                        f"{prev} -> {self.scaler.cur_scale}")
+            logger.info(f"[deepspeed] {'fp16' if self.dtype == torch.float16 else 'bf16'} gradient overflow on some "
+                        f"rank: step skipped, loss scale {prev} -> {self.scaler.cur_scale}")
         if getattr(self.scaler, "overflows_at_min_scale", 0) >= 2:
             gathered = [None] * self.world
             if self.world > 1:
