@@ -105,11 +105,13 @@ def build_members(args, base_env: Optional[Dict[str, str]] = None) -> List[Membe
                              dict(os.environ) if base_env is None else base_env)
     if args.enable_each_rank_log:
         os.makedirs(args.enable_each_rank_log, exist_ok=True)
+    host = list(world)[args.node_rank]
     members = []
     for local_rank, env in enumerate(envs):
         log = (os.path.join(args.enable_each_rank_log, f"rank{env['RANK']}.log")
                if args.enable_each_rank_log else None)
-        members.append(Member(label=f"rank {env['RANK']} (local_rank {local_rank}, node {args.node_rank})",
+        members.append(Member(label=f"rank {env['RANK']} (local_rank {local_rank}, node {args.node_rank}, "
+                                    f"host {host})",
                               argv=rank_command(args, local_rank), env=env, stdout=log))
     return members
 

@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master_port", type=int, default=TORCH_DISTRIBUTED_DEFAULT_PORT,
                    help="port of the rank-0 rendezvous (default 29500)")
     p.add_argument("--master_addr", default="",
-                   help="address of the rank-0 node (default 127.0.0.1, or the first host when multi-node)")
+                   help="address of the rank-0 node (default 127.0.0.1; multi-node: the first address "
+                        "'hostname -I' prints on the first host, asked over ssh)")
     p.add_argument("--launcher", default=PDSH_LAUNCHER, choices=MULTINODE_LAUNCHERS,
                    help="multi-node back-end (default pdsh)")
     p.add_argument("--launcher_args", default="", help="extra arguments for the back-end, one quoted string")
@@ -206,6 +207,23 @@ def _check_ssh(args, host: str) -> None:
                             "set up ssh keys or pass --no_ssh_check")
 
 
+def first_host_address(args, host: str) -> str:
+    """DeepSpeed's default ``--master_addr`` for a multi-node job: the first address that
+    ``hostname -I`` prints on the first host, asked over ssh."""
+    cmd = ["ssh"] + (["-p", str(args.ssh_port)] if args.ssh_port else []) + [host, "hostname -I"]
+    hint = "; pass --master_addr=<address of the first node> instead"
+    try:
+        res = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ResourceError(f"cannot find the master address: 'ssh {host} hostname -I' failed ({err}){hint}") from None
+    addrs = res.stdout.split()
+    if res.returncode != 0 or not addrs:
+        raise ResourceError(f"cannot find the master address: 'ssh {host} hostname -I' "
+                            f"{'printed no address' if res.returncode == 0 else 'failed: ' + res.stderr.strip()}"
+                            f"{hint}")
+    return addrs[0]
+
+
 def multinode_commands(args, environ: Optional[Dict[str, str]] = None):
     """Everything a multi-node launch would run, without running it.
 
@@ -225,6 +243,10 @@ def multinode_commands(args, environ: Optional[Dict[str, str]] = None):
 def _launch_multinode(args) -> int:
     from ..utils.logging import logger
     from .supervisor import Member, Supervisor
+    if not args.master_addr:
+        first = next(iter(resolve_resources(args)))
+        args.master_addr = first_host_address(args, first)
+        logger.info(f"using IP address {args.master_addr} of node {first} as --master_addr")
     runner, cmds = multinode_commands(args)
     if not runner.backend_exists():
         raise ResourceError(f"--launcher {args.launcher} needs {runner.tool!r}, which is not on PATH; "

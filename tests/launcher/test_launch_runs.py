@@ -217,7 +217,7 @@ def test_failing_rank_stops_the_node(tmp_path, mode, how):
         elapsed = time.monotonic() - t0
         text = res.stdout + res.stderr
         assert res.returncode != 0, text
-        assert f"rank 1 (local_rank 1, node 0) {how}" in text
+        assert f"rank 1 (local_rank 1, node 0, host localhost) {how}" in text
         assert "sending SIGKILL" in text  # rank 0 ignored SIGTERM
         assert elapsed < 10, f"launcher took {elapsed:.1f}s"
         pids = _pids(out)
