@@ -23,6 +23,9 @@ that changes the package under test:
   from it (else from NUMA nodes, usually 1) and upstream's ``DistributedTest`` skips a world size
   larger than the device count. World sizes above it skip, as they do upstream on a smaller host.
 * ``DS_UNITTEST_TIMEOUT``: the harness's own worker timeout, set under the per-test timeout.
+* the staged ``unit/common.py`` re-raises a pytest outcome from a rank (``pytest.fail``, "DID NOT
+  RAISE") as an ``AssertionError`` with its message: a ``BaseException`` kills the pool's worker
+  and the test would hang until the harness timeout instead of failing.
 * ``PATH`` starts with this interpreter's directory, so the tests that run the ``deepspeed``
   command find the one installed with the package under test.
 
@@ -230,7 +233,32 @@ def stage_tests(source: str, workdir: str) -> str:
         shutil.rmtree(dest)
     shutil.copytree(os.path.join(source, "tests"), dest,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache"))
+    _patch_worker_failures(os.path.join(dest, "unit", "common.py"))
     return dest
+
+
+# Upstream's DistributedTest runs each rank in a multiprocessing.Pool worker and re-raises what
+# the test raised. pytest's own outcomes (``pytest.fail``, "DID NOT RAISE" from pytest.raises)
+# derive from BaseException, which the pool's worker does not catch: the worker dies, the pool
+# never gets a result and the test hangs until the harness's timeout. The staged copy re-raises
+# them as an AssertionError carrying the message, so such a test fails at once, with its message.
+_WORKER_RAISE = "            else:\n                raise e\n"
+_WORKER_RAISE_FIXED = ("            elif isinstance(e, Exception):\n                raise e\n"
+                       "            else:  # run_upstream.py: pytest outcomes are BaseExceptions a Pool worker drops\n"
+                       "                raise AssertionError(f'{type(e).__name__}: {e}') from None\n")
+
+
+def _patch_worker_failures(common_py: str) -> None:
+    if not os.path.isfile(common_py):
+        return
+    with open(common_py) as f:
+        text = f.read()
+    if text.count(_WORKER_RAISE) == 1:
+        with open(common_py, "w") as f:
+            f.write(text.replace(_WORKER_RAISE, _WORKER_RAISE_FIXED))
+    else:
+        print("note: tests/unit/common.py: worker re-raise not found; pytest.fail in a worker may hang "
+              "until the harness timeout", file=sys.stderr)
 
 
 def out_of_scope_reason(module: str):

@@ -352,3 +352,24 @@ def test_model_3d_desc_reshape_and_descriptor(tmp_path):
         layout([{"pp_degree": 2, "tp_degree": 1}, None])
     with pytest.raises(RuntimeError, match="disagrees"):
         layout([{"pp_degree": 2, "tp_degree": 1}, {"pp_degree": 1, "tp_degree": 2}])
+
+
+def test_driver_turns_a_workers_pytest_outcome_into_an_assertion(tmp_path):
+    """The staged harness re-raises pytest.fail/"DID NOT RAISE" (BaseExceptions, which kill a Pool
+    worker and hang the test) as an AssertionError; ordinary exceptions pass through unchanged."""
+    from tests.upstream.run_upstream import _WORKER_RAISE, _patch_worker_failures
+    src = ("class Skipped(BaseException):\n    pass\n\n\nclass Exec:\n    def _dist_run(self, fn):\n"
+           "        try:\n            fn()\n        except BaseException as e:\n"
+           "            if isinstance(e, Skipped):\n                pass\n" + _WORKER_RAISE)
+    path = tmp_path / "common.py"
+    path.write_text(src)
+    _patch_worker_failures(str(path))
+    ns = {}
+    exec(compile(path.read_text(), str(path), "exec"), ns)
+
+    def fail():
+        pytest.fail("DID NOT RAISE AssertionError")
+    with pytest.raises(AssertionError, match="Failed: DID NOT RAISE AssertionError"):
+        ns["Exec"]()._dist_run(fail)
+    with pytest.raises(KeyError):
+        ns["Exec"]()._dist_run(lambda: {}["k"])
