@@ -152,6 +152,77 @@ def test_missing_rank_file_names_rank_file_and_world_size(tmp_path):
     eng.destroy()
 
 
+def test_a_file_every_rank_reads_is_checked_in_shares(tmp_path):
+    """Inside a load's agreement, member i of n checks every n-th tensor of a shared file
+    (the others are checked by the other members); outside it, every tensor, and raises."""
+    from deepspeed.runtime.checkpoint.manifest import deferred_failures
+    eng = _trained(0)
+    eng.save_checkpoint(str(tmp_path))
+    path = os.path.join(str(tmp_path), "global_step1", "mp_rank_00_model_states.pt")
+    _flip(path, "data/1")   # the second tensor torch reads
+    for share, caught in (((0, 2), False), ((1, 2), True), (None, True)):
+        with deferred_failures(share) as failures:
+            load_file(path, share=True)
+        assert bool(failures) == caught, (share, failures)
+        assert all("data/1 -> '" in f for f in failures), failures
+    with pytest.raises(CheckpointError, match="data/1 -> '"):
+        load_file(path, share=True)   # no agreement to rely on: checked whole, and raised
+    eng.destroy()
+
+
+def _load_damaged_at_two_ranks(rank, ws, out):
+    """Every rank loads while rank 0 damages one file at a time: a tensor of rank 1's optimizer
+    file (only rank 1 reads it) and two tensors of the model-states file (both ranks read it
+    and each checks a share of its tensors: one of them each). Returns each load's error (None when it loaded)."""
+    import torch.distributed as dist
+    eng, *_ = deepspeed.initialize(model=make_model(), config=_cfg(2))
+    loss = eng(torch.randn(2, 8), torch.randn(2, 4))
+    eng.backward(loss)
+    eng.step()
+    eng.save_checkpoint(out)
+    tag = os.path.join(out, "global_step1")
+    saved = {k: v.clone() for k, v in eng.module.state_dict().items()}
+    with torch.no_grad():
+        for p in eng.module.parameters():
+            p.zero_()
+    eng.load_checkpoint(out)   # undamaged: loads, the weights come back
+    assert all(torch.equal(saved[k], v) for k, v in eng.module.state_dict().items())
+    pristine = {n: open(os.path.join(tag, n), "rb").read() for n in os.listdir(tag)}
+    model = "mp_rank_00_model_states.pt"
+    optim1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    targets = [(optim1, _largest_tensor_record(os.path.join(tag, optim1)))]
+    # the first two tensors torch reads: one in each rank's share
+    targets += [(model, f"data/{i}") for i in range(2)]
+    errors = []
+    dist.barrier()   # every rank has read the pristine files before rank 0 changes them
+    for name, record in targets:
+        if rank == 0:
+            for n, data in pristine.items():
+                with open(os.path.join(tag, n), "wb") as f:
+                    f.write(data)
+            _flip(os.path.join(tag, name), record)
+        dist.barrier()
+        try:
+            eng.load_checkpoint(out)
+            errors.append((name, record, None))
+        except CheckpointError as err:
+            errors.append((name, record, str(err)))
+        dist.barrier()
+    eng.destroy()
+    return errors
+
+
+def test_damage_only_another_rank_reads_fails_the_load_on_every_rank(tmp_path):
+    out = str(tmp_path / "ckpt")
+    per_rank = run_distributed(_load_damaged_at_two_ranks, 2, args=(out,), timeout=240)
+    assert len(per_rank[0]) >= 3   # the optimizer file and at least two model-states tensors
+    for rank, errors in enumerate(per_rank):
+        for name, record, msg in errors:
+            assert msg is not None, (rank, name, record)
+            assert name in msg and "corrupted" in msg and f"{record} -> '" in msg, (rank, msg)
+            assert msg.count(" -> ") == 1, msg   # only the damaged tensor is named
+
+
 class _Payload:
     def __init__(self, marker):
         self.marker = marker

@@ -2,6 +2,7 @@
 counters, RNG states and client state."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from ... import comm as ds_comm
 from ...utils.logging import logger
+from . import manifest as _manifest
 from .errors import CheckpointAssertionError, CheckpointError
 from .contents import client_state_of, model_states, optim_states
 from .io import CheckpointReader, CheckpointWriter, read_latest_tag
@@ -210,6 +212,29 @@ def commit_or_abort(engine, writer, rank: int, error, what: str, save_latest: bo
         raise CheckpointError(f"{what}: rank 0 could not commit it (its error says why); nothing was committed.")
 
 
+@contextlib.contextmanager
+def agreed_verification(path: str, share=None):
+    """Load a tag's files inside this block: each rank checks what it reads (tensor
+    mismatches collected, not raised, so no rank leaves a collective its peers are in),
+    then one small collective (an int all-reduce; the messages are gathered only when one
+    failed) makes every rank raise the same :class:`CheckpointError`, naming each damaged
+    file and tensor, including ranks that never read the damaged file. An exception from
+    the body propagates as it is, without the collective. ``share=(rank, world_size)``:
+    every rank reads the same files (no model parallelism), so each checks its share of
+    them (:func:`.manifest.deferred_failures`)."""
+    with _manifest.deferred_failures(share) as failures:
+        yield
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if multi and not _all_ok(not failures):
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, list(failures))
+        failures = [f"rank {r}: {m}" for r, ms in enumerate(gathered) for m in (ms or [])]
+    if failures:
+        raise CheckpointError(f"Checkpoint '{path}' failed verification on load: {' | '.join(failures)} The engine's "
+                              f"state is partly overwritten with the damaged data: load another tag (or a repaired "
+                              f"copy of this one) before training.")
+
+
 def load_engine_checkpoint(engine, load_dir: str, tag=None, load_module_strict=True,
                            load_optimizer_states=True, load_lr_scheduler_states=True,
                            load_module_only=False, custom_load_fn=None):
@@ -220,7 +245,26 @@ def load_engine_checkpoint(engine, load_dir: str, tag=None, load_module_strict=T
                            f"Pass tag=... to load a specific checkpoint.")
             return None, None
     reader = CheckpointReader(load_dir, str(tag))
-    state = reader.load(find_model_states(reader, engine.mp_rank))
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    # without model parallelism every rank reads the same files: each checks its share
+    share = (dist.get_rank(), dist.get_world_size()) if multi and engine.mpu is None else None
+    with agreed_verification(reader.path, share):
+        if load_optimizer_states and not load_module_only:
+            # the optimizer files are memory-mapped (checked by a pass before loading): this
+            # rank's share of them is checked in the background while the module loads
+            from .universal import list_rank_files
+            from .io import _load_unverified
+            with contextlib.suppress(CheckpointError, OSError):
+                files = list_rank_files(reader.path, engine.mp_rank)
+                _manifest.prefetch([p for i, p in enumerate(files) if share is None or i % share[1] == share[0]],
+                                   _load_unverified)
+        return _load_engine_checkpoint(engine, reader, load_module_strict, load_optimizer_states,
+                                       load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+
+def _load_engine_checkpoint(engine, reader, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                            load_module_only, custom_load_fn):
+    state = reader.load(find_model_states(reader, engine.mp_rank), share=True)
     missing = {"module", "global_steps"} - set(state)
     if missing:
         raise CheckpointError(f"'{reader.path}' is not a deepspeed checkpoint: missing {sorted(missing)}.")

@@ -299,22 +299,40 @@ class CheckpointWriter:
 
 
 # ---------------------------------------------------------------- reading
-def load_file(path: str, map_location="cpu", mmap: bool = False, verify=None):
+def load_file(path: str, map_location="cpu", mmap: bool = False, verify=None, share: bool = False):
     """The one way the package reads a checkpoint file: verified against its tag's
-    manifest (unless ``verify=False`` or verification is switched off), then
-    ``torch.load(weights_only=True)`` with the allow-list of :mod:`.allowlist`.
-    Raises :class:`CheckpointError` naming the file."""
+    manifest (unless ``verify=False`` or verification is switched off), with
+    ``torch.load(weights_only=True)`` and the allow-list of :mod:`.allowlist`.
+    Raises :class:`CheckpointError` naming the file.
+
+    A torch file the manifest lists with its records is checked while it is read: each
+    record's CRC-32 from the bytes torch has just read (:class:`.manifest.RecordHasher`),
+    so there is no second pass over the file. Other files (and ``mmap=True`` loads, whose
+    bytes are read lazily) are checked by a pass over the file before loading.
+    ``share=True``: every member of the group in :func:`.manifest.deferred_failures` reads
+    this file; check only this member's share of its tensors (see ``RecordHasher``).
+    Inside that block a mismatch is noted for the caller's agreement instead of raised."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         d, n = os.path.split(os.path.abspath(path))
         raise CheckpointError(f"Checkpoint file '{path}' is missing{_manifest.missing_note(d, n)}; the checkpoint "
                               f"is incomplete.")
-    if verify is None or verify:
-        if verify:
+    verifying = verify if verify is not None else _manifest.verification_enabled()
+    if verifying:
+        entry = None if mmap else _manifest.entry_of(path)
+        if entry is not None and entry.get("records"):
+            size = os.path.getsize(path)
+            if size != entry["bytes"]:
+                d, n = os.path.split(os.path.abspath(path))
+                raise CheckpointError(f"Checkpoint file '{path}' is corrupted: it holds {size} bytes but "
+                                      f"{entry['bytes']} were written{_manifest.missing_note(d, n)}. Restore it from "
+                                      f"a copy or load another tag.")
+            return _load_hashed(path, map_location, entry, share)
+        try:
             with _manifest.set_checkpoint_verification(True):
                 _manifest.verify_file(path, _load_unverified)
-        else:
-            _manifest.verify_file(path, _load_unverified)
+        except CheckpointError as err:
+            _manifest.defer_or_raise(err)
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -331,6 +349,33 @@ def load_file(path: str, map_location="cpu", mmap: bool = False, verify=None):
             f"Could not load checkpoint file '{path}' with torch.load(weights_only=True): {err}. Checkpoint "
             f"files may only hold tensors, plain Python containers/numbers/strings (client_state included) "
             f"and these types: {allowed_names()}.") from None
+
+
+def _load_hashed(path: str, map_location, entry: dict, share):
+    """``torch.load(path, weights_only=True)`` through torch's own zip reader and weights-only
+    unpickler, every record hashed as it is read (:class:`.manifest.RecordHasher`)."""
+    import pickle
+    import torch.serialization as ts
+    share = _manifest.current_share() if share else None
+    try:
+        with ts.safe_globals(SAFE_GLOBALS), open(path, "rb") as f, ts._open_zipfile_reader(f) as zf, \
+                open(path, "rb", buffering=0) as raw:
+            hasher = _manifest.RecordHasher(zf, raw, path, entry, share)
+            try:
+                obj = ts._load(hasher, map_location, ts._weights_only_unpickler, encoding="utf-8")
+            except pickle.UnpicklingError as err:
+                raise pickle.UnpicklingError(ts._get_wo_message(str(err))) from None
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - name the file and the rule
+        raise CheckpointError(
+            f"Could not load checkpoint file '{path}' with torch.load(weights_only=True): {err}. Checkpoint "
+            f"files may only hold tensors, plain Python containers/numbers/strings (client_state included) "
+            f"and these types: {allowed_names()}.") from None
+    bad = hasher.mismatches(obj)
+    if bad is not None:
+        _manifest.defer_or_raise(CheckpointError(bad))
+    return obj
 
 
 def _load_unverified(path: str):
@@ -369,8 +414,6 @@ class CheckpointReader:
             raise CheckpointError(
                 f"Checkpoint directory '{self.path}' does not exist (load_dir='{load_dir}', tag='{tag}').{named}")
         _manifest.check_complete(self.path)
-        if verify is not False:   # checksums of later files overlap with loading the first ones
-            _manifest.prefetch(self.path, _load_unverified)
 
     def exists(self, name: str) -> bool:
         return os.path.isfile(os.path.join(self.path, name))
@@ -378,8 +421,8 @@ class CheckpointReader:
     def list(self, prefix: str = "", suffix: str = "") -> list[str]:
         return sorted(n for n in os.listdir(self.path) if n.startswith(prefix) and n.endswith(suffix))
 
-    def load(self, name: str, map_location="cpu"):
-        return load_file(os.path.join(self.path, name), map_location=map_location, verify=self.verify)
+    def load(self, name: str, map_location="cpu", share: bool = False):
+        return load_file(os.path.join(self.path, name), map_location=map_location, verify=self.verify, share=share)
 
 
 def read_latest_tag(load_dir: str):

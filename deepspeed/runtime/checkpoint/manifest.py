@@ -13,9 +13,14 @@ for every file of the tag:
   container - one per tensor storage - read back from the file's central directory (no
   extra pass). When a file does not match, these name the tensor(s) whose bytes changed.
 
-Loading verifies a file against the manifest before unpickling it (chunks checked on a
-few threads over a memory map; each unchanged file is verified once per process). A
-mismatch raises :class:`CheckpointError` naming the file, the byte range and the tensor.
+Loading checks a torch file while reading it: each record (the pickle, every tensor
+storage) is CRC-32'd from the bytes torch has just read and compared with ``records``
+(:class:`RecordHasher`): one CPU pass over bytes already in memory, overlapped with the
+reading, no second read of the file; a rank checks only the files it reads. A mismatch
+raises :class:`CheckpointError` naming the file, the record and the tensor(s) in it.
+Files without records, and memory-mapped loads, are checked against the chunk CRC-32s by
+a pass over the file before loading (:func:`verify_file`; each unchanged file once per
+process).
 Checkpoints without a manifest (older ones, DeepSpeed's own) load unverified.
 
 Switch verification off with the environment variable ``DS_CHECKPOINT_VERIFY=0`` or
@@ -250,6 +255,138 @@ def missing_note(directory: str, name: str) -> str:
     return f" ({_who(man, name)})" if man is not None and name in man["files"] else ""
 
 
+# ---------------------------------------------------------------- verifying while loading
+_deferred = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_failures(share=None):
+    """Inside the block, a tensor whose bytes do not match the manifest does not raise on
+    the spot: :func:`~.io.load_file` returns what it read and the failure (a message naming
+    the file, record and tensor) is appended to the yielded list. For a caller that then
+    agrees on the outcome with the other ranks (one collective), so that every rank raises,
+    including those that never read the damaged file, and no rank leaves a collective its
+    peers are in. A damaged pickle (the structure itself) still raises at once.
+
+    ``share=(i, n)``: this process is member ``i`` of ``n`` that all read the same files
+    here; a file (or the tensors of a file) every member reads is checked by one member
+    only (:func:`current_share`), the agreement covering the others."""
+    prev = getattr(_deferred, "failures", None), getattr(_deferred, "share", None)
+    _deferred.failures, _deferred.share = [], (share if share is not None and share[1] > 1 else None)
+    try:
+        yield _deferred.failures
+    finally:
+        _deferred.failures, _deferred.share = prev
+        cancel_prefetch()
+
+
+def deferring() -> bool:
+    return getattr(_deferred, "failures", None) is not None
+
+
+def current_share():
+    """``(i, n)`` inside :func:`deferred_failures` with a share, else None."""
+    return getattr(_deferred, "share", None) if deferring() else None
+
+
+def defer_or_raise(err: CheckpointError) -> None:
+    """Inside :func:`deferred_failures`, note ``err`` for the agreement; else raise it."""
+    failures = getattr(_deferred, "failures", None)
+    if failures is None:
+        raise err
+    failures.append(str(err))
+
+
+def entry_of(path: str) -> Optional[dict]:
+    """``path``'s manifest entry (None: no manifest, or the file is not listed)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    man = read_manifest(directory)
+    return None if man is None else man["files"].get(name)
+
+
+READ_SLICE = 4 << 20   # bytes read, then hashed while still in the CPU cache
+
+
+class RecordHasher:
+    """Stands in for torch's zip reader (``torch._C.PyTorchFileReader``) inside
+    ``torch.serialization._load``: every record torch asks for is read here, ``READ_SLICE``
+    bytes at a time, each slice CRC-32'd right after it is read (still in the CPU cache),
+    and compared with the CRC-32 the manifest holds for that record (torch's own, from the
+    zip directory at save time). Verification is thus one pass over the bytes as they are
+    read, no second read of the file. The pickle and the small metadata records are
+    checked before torch uses them; storages when torch has them all (a mismatch names
+    the tensors stored in the record). ``share=(i, n)``: hash only every n-th storage
+    starting at the i-th (a file every rank of a group reads: each rank checks its share;
+    the caller agrees on the result)."""
+
+    def __init__(self, zf, f, path: str, entry: dict, share=None):
+        self._zf, self._f, self.path, self.entry = zf, f, path, entry
+        self.saved = entry.get("records") or {}
+        self.share = share
+        self._n = 0
+        self._got: Dict[str, int] = {}
+        self.storage_record: Dict[int, str] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._zf, name)
+
+    def get_record(self, name):
+        data = self._zf.get_record(name)
+        if name in self.saved and crc32(data) != self.saved[name]:
+            what = "the pickled structure" if name.endswith(".pkl") else "the archive's metadata"
+            raise CheckpointError(
+                f"Checkpoint file '{self.path}' is corrupted: record '{name}' ({what}) does not match its CRC-32 "
+                f"in the manifest ({self._who()}). No tensor's data is involved: the damage is in the pickled "
+                f"structure or the zip directory. Restore the file from a copy or load another tag.")
+        return data
+
+    def get_storage_from_record(self, name, nbytes, dtype):
+        import torch
+        i, self._n = self._n, self._n + 1
+        check = self.share is None or i % self.share[1] == self.share[0]
+        st = torch.UntypedStorage(nbytes)
+        t = torch.empty(0, dtype=torch.uint8).set_(st)
+        if nbytes:
+            buf = memoryview(t.numpy())
+            f, crc, pos = self._f, 0, 0
+            f.seek(self._zf.get_record_offset(name))
+            while pos < nbytes:
+                n = f.readinto(buf[pos:pos + min(READ_SLICE, nbytes - pos)])
+                if not n:
+                    raise CheckpointError(f"Checkpoint file '{self.path}' is corrupted: record '{name}' ends "
+                                          f"early ({pos} of {nbytes} bytes).")
+                if check:
+                    crc = crc32(buf[pos:pos + n], crc)
+                pos += n
+        else:
+            crc = 0
+        if check:
+            self._got[name] = crc
+            self.storage_record[st.data_ptr()] = name
+        return t
+
+    def _who(self) -> str:
+        d, n = os.path.split(os.path.abspath(self.path))
+        man = read_manifest(d)
+        return _who(man, n) if man is not None and n in man["files"] else "unknown writer"
+
+    def mismatches(self, obj) -> Optional[str]:
+        """None if every storage hashed matched, else the message naming the file, the
+        record(s) and the tensor(s) stored in them."""
+        bad = [name for name, crc in self._got.items() if crc != self.saved.get(name)]
+        if not bad:
+            return None
+        names: Dict[str, List[str]] = {}
+        for key, t in _walk(obj, ""):
+            rec = self.storage_record.get(t.untyped_storage().data_ptr())
+            if rec in bad:
+                names.setdefault(rec, []).append(f"'{key or '<root>'}'")
+        parts = [f"{rec} -> {', '.join(names.get(rec, [])) or '?'}" for rec in sorted(bad)]
+        return (f"Checkpoint file '{self.path}' is corrupted: its tensor data does not match the CRC-32s in the "
+                f"manifest ({self._who()}). Tensor data changed in record(s) {'; '.join(parts)}. Restore the file "
+                f"from a copy or load another tag (to load it anyway, switch verification off: {ENV_VERIFY}=0).")
+
+
 def _threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
@@ -277,40 +414,6 @@ def file_crcs(path: str, chunk: int = CHUNK_BYTES) -> List[int]:
     return _crc_ranges(path, os.path.getsize(path), chunk)
 
 
-_prefetch_pool: Optional[ThreadPoolExecutor] = None
-_pending: Dict[str, object] = {}
-
-
-def prefetch(directory: str, loader=None) -> None:
-    """Start verifying every data file of a tag in the background (one file at a time, in name
-    order - model states first), so the checksums of the later files overlap with loading the
-    earlier ones; :func:`verify_file` then waits for a file's result instead of starting over."""
-    global _prefetch_pool
-    if not verification_enabled():
-        return
-    man = read_manifest(directory)
-    if man is None:
-        return
-    with _lock:
-        if _prefetch_pool is None:
-            _prefetch_pool = ThreadPoolExecutor(1, thread_name_prefix="ds_ckpt_verify")
-            register = getattr(threading, "_register_atexit", None)   # runs before the pool's own join
-            if register is not None:
-                register(_cancel_pending)
-        for n in sorted(man["files"]):
-            path = os.path.join(os.path.abspath(directory), n)
-            if n.endswith(".pt") and path not in _pending and os.path.isfile(path):
-                _pending[path] = (_file_key(path), _prefetch_pool.submit(_verify_now, path, loader))
-
-
-def _cancel_pending() -> None:
-    """At exit: drop background verifications nobody waits for (files never loaded)."""
-    with _lock:
-        for _, fut in _pending.values():
-            fut.cancel()
-        _pending.clear()
-
-
 def verify_file(path: str, loader=None) -> None:
     """Check ``path`` against its tag's manifest (no-op without one, or when verification
     is off, or when this unchanged file was verified before in this process). ``loader``
@@ -324,6 +427,38 @@ def verify_file(path: str, loader=None) -> None:
         if _file_key(path) == pending[0]:   # and the file did not change meanwhile
             return
     _verify_now(path, loader)
+
+
+_prefetch_pool: Optional[ThreadPoolExecutor] = None
+_pending: Dict[str, tuple] = {}
+
+
+def prefetch(paths: Iterable[str], loader=None) -> None:
+    """Start verifying these files (ones a caller is about to load memory-mapped) on a
+    background thread, one at a time in the given order, so the checksums overlap with
+    loading other files; :func:`verify_file` then waits for a file's result instead of
+    starting over. :func:`cancel_prefetch` drops those nobody asked for."""
+    global _prefetch_pool
+    if not verification_enabled():
+        return
+    with _lock:
+        if _prefetch_pool is None:
+            _prefetch_pool = ThreadPoolExecutor(1, thread_name_prefix="ds_ckpt_verify")
+            register = getattr(threading, "_register_atexit", None)   # runs before the pool's own join
+            if register is not None:
+                register(cancel_prefetch)
+        for p in paths:
+            path = os.path.abspath(p)
+            if path not in _pending and os.path.isfile(path):
+                _pending[path] = (_file_key(path), _prefetch_pool.submit(_verify_now, path, loader))
+
+
+def cancel_prefetch() -> None:
+    """Drop background verifications nobody waited for (files that were not loaded)."""
+    with _lock:
+        for _, fut in _pending.values():
+            fut.cancel()
+        _pending.clear()
 
 
 def _file_key(path: str):

@@ -55,6 +55,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from .errors import CheckpointError
+from .manifest import current_share
 
 FORMAT = "deepspeed-fragments"
 VERSION = 1
@@ -198,10 +199,11 @@ def _check_listed(directory: str, mp_rank: int) -> None:
         check_complete(directory, names)
 
 
-def _load(path: str):
-    """One rank file, memory-mapped, through the package's one verified weights-only reader."""
+def _load(path: str, check: bool = True):
+    """One rank file, memory-mapped, through the package's one verified weights-only reader
+    (``check=False``: another rank checks it and the load's agreement covers this one)."""
     from .io import load_file
-    return unwrap_rank_state(load_file(path, mmap=True))
+    return unwrap_rank_state(load_file(path, mmap=True, verify=None if check else False))
 
 
 def _load_mapped_noreserve(path: str):
@@ -263,7 +265,8 @@ class FragmentIndex:
                     f"No ZeRO optimizer files 'zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt' in "
                     f"'{directory}'. Was this checkpoint saved by deepspeed.save_checkpoint? Pass "
                     f"load_optimizer_states=False to load the module weights only.")
-            states = [_load(p) for p in paths]
+            share = current_share()   # every rank reads these files: each checks its share
+            states = [_load(p, check=share is None or i % share[1] == share[0]) for i, p in enumerate(paths)]
         else:
             paths = [f"{directory}[{i}]" for i in range(len(states))]
         self.states = states

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ...utils.logging import logger
-from ..checkpoint.engine_checkpoint import (begin_save, capture_rng_state, commit_or_abort, model_states_name,
-                                            restore_rng_state, rng_states_name)
+from ..checkpoint.engine_checkpoint import (agreed_verification, begin_save, capture_rng_state, commit_or_abort,
+                                            model_states_name, restore_rng_state, rng_states_name)
 from ..checkpoint.contents import client_state_of, model_states
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.io import CheckpointReader, read_latest_tag
@@ -143,6 +143,13 @@ def load_pipeline_checkpoint(engine, load_dir, tag=None, load_module_strict=True
             logger.warning(f"Unable to find a 'latest' file in '{load_dir}'; nothing was loaded.")
             return None, None
     reader = _MergedReader(load_dir, str(tag))
+    with agreed_verification(reader.path):   # every rank raises if any rank read a damaged file
+        return _load_pipeline_checkpoint(engine, reader, load_module_strict, load_optimizer_states,
+                                         load_lr_scheduler_states, load_module_only)
+
+
+def _load_pipeline_checkpoint(engine, reader, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                              load_module_only):
     grid = engine.grid
     state = reader.load(model_states_name(grid.model_parallel_id))
     if state.get("mp_world_size", 1) != grid.model_parallel_size:
