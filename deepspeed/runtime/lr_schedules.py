@@ -56,11 +56,12 @@ _SPECS: Dict[str, Dict[str, tuple]] = {
                     "lr_range_test_step_rate": ("nonneg", 1.0), "lr_range_test_staircase": ("bool", False)},
     ONE_CYCLE: {"cycle_min_lr": ("lrs", _REQUIRED), "cycle_max_lr": ("lrs", _REQUIRED),
                 "decay_lr_rate": ("nonneg", 0.0), "cycle_first_step_size": ("pos_number", 2000),
-                "cycle_second_step_size": ("pos_number_or_none", None), "cycle_first_stair_count": ("int", 0),
+                "cycle_second_step_size": ("nonneg_or_none", None), "cycle_first_stair_count": ("int", 0),
                 "cycle_second_stair_count": ("int_or_none", None), "decay_step_size": ("nonneg", 0),
                 "cycle_momentum": ("bool", True), "cycle_min_mom": ("unit", 0.8), "cycle_max_mom": ("unit", 0.9),
                 "decay_mom_rate": ("number", 0.0)},
-    WARMUP_LR: dict(_WARMUP),
+    # DeepSpeed 0.19: WarmupLR without warmup_max_lr warms up to each group's own lr
+    WARMUP_LR: {**_WARMUP, "warmup_max_lr": ("lrs_or_none", None)},
     WARMUP_DECAY_LR: {"total_num_steps": ("pos_int", _REQUIRED), **_WARMUP},
     WARMUP_COSINE_LR: {"total_num_steps": ("pos_int", _REQUIRED), "warmup_min_ratio": ("nonneg", 0.0),
                        "warmup_num_steps": ("nonneg_int", 1000), "cos_min_ratio": ("nonneg", 1e-4),
@@ -70,7 +71,7 @@ _KIND_TEXT = {"lrs": "a non-negative number or a list of them (one per parameter
               "lrs_or_none": "a non-negative number, a list of them (one per parameter group), or null",
               "nonneg_int": "a non-negative integer", "pos_int": "a positive integer", "int": "an integer",
               "int_or_none": "an integer or null", "pos_number": "a positive number",
-              "pos_number_or_none": "a positive number or null", "nonneg": "a non-negative number",
+              "pos_number_or_none": "a positive number or null", "nonneg_or_none": "a non-negative number or null", "nonneg": "a non-negative number",
               "number": "a number", "bool": "true or false", "unit": "a number in [0, 1]",
               "warmup_type": "'log' or 'linear'", "iteration": "an integer >= -1"}
 
@@ -252,8 +253,11 @@ class OneCycle(_Schedule):
                                                                   "__class__")}
         super().__init__(optimizer, params, last_batch_iteration)
         self.first_step_size = float(cycle_first_step_size)
-        self.second_step_size = float(cycle_second_step_size or cycle_first_step_size)
+        # None: as long as the first half; 0 is allowed (the cycle ends at the peak)
+        self.second_step_size = float(cycle_first_step_size if cycle_second_step_size is None
+                                      else cycle_second_step_size)
         self.total_size = self.first_step_size + self.second_step_size
+        self.step_ratio = self.first_step_size / self.total_size
         self.first_stair_count = cycle_first_stair_count
         self.second_stair_count = (cycle_first_stair_count if cycle_second_stair_count is None
                                    else cycle_second_stair_count)
@@ -332,11 +336,12 @@ class OneCycle(_Schedule):
 
 class WarmupLR(_Schedule):
     """Warm the lr up from ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps``
-    ('log' or 'linear'), then hold it. ``warmup_max_lr=None`` uses the optimizer's lr."""
+    ('log' or 'linear'), then hold it. ``warmup_max_lr=None`` (the default, as DeepSpeed 0.19) uses
+    each parameter group's own lr."""
 
     name = WARMUP_LR
 
-    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000,
+    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000,
                  warmup_type=WARMUP_LOG_RATE, last_batch_iteration=-1):
         self._init_warmup(optimizer, dict(warmup_min_lr=warmup_min_lr, warmup_max_lr=warmup_max_lr,
                                           warmup_num_steps=warmup_num_steps, warmup_type=warmup_type),

@@ -283,3 +283,21 @@ def test_no_warmup_decay_and_cosine_start_at_the_peak():
     check(trace(s, 4), {-1: 0.08, 0: 0.08, 2: 0.04, 4: 0.0})
     s = WarmupCosineLR(adam(lr=0.1), total_num_steps=4, warmup_num_steps=0, cos_min_ratio=0.0)
     check(trace(s, 3), {-1: 0.1, 1: 0.05, 3: 0.0})
+
+
+def test_deepspeed_019_defaults_warmup_inherits_group_lrs_and_one_cycle_zero_second_half():
+    # WarmupLR without warmup_max_lr warms each group up to its own lr (DeepSpeed 0.19);
+    # WarmupDecayLR keeps 0.001
+    opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.1},
+                           {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.2}])
+    s = WarmupLR(opt, warmup_num_steps=10)
+    assert s.max_lrs == [0.1, 0.2]
+    s.step(10)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1, 0.2])
+    assert WarmupDecayLR(adam(), total_num_steps=20).max_lrs == [0.001]
+    # OneCycle with cycle_second_step_size 0: the cycle rises over the first half and ends there
+    s = OneCycle(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), cycle_min_lr=0.001,
+                 cycle_max_lr=0.1, cycle_first_step_size=100, cycle_second_step_size=0, cycle_momentum=False)
+    assert s.step_ratio == 1.0 and s.get_lr() == [pytest.approx(0.001)]
+    s.step()
+    assert s.get_lr() == [pytest.approx(0.001 + 0.099 * 1 / 100)]   # iteration 0: k = 1
