@@ -6,9 +6,15 @@ forward/backward of its module its ``.data`` is an empty placeholder and the
 rank's 1/N slice lives in ``param.ds_tensor`` (a flat tensor of
 ``ceil(numel / N)`` elements, zero-padded on the last rank).
 
-Gathering allocates (or regrows) one full-size buffer per parameter and
-all-gathers the slices straight into it; releasing shrinks that buffer's storage
-to zero bytes. The buffer's storage object is kept for the parameter's lifetime,
+Gathering allocates (or regrows) one full-size buffer per parameter; releasing
+shrinks that buffer's storage to zero bytes. One parameter is all-gathered straight
+into its buffer. Several (a module's, a prefetch bucket's) go as **one** collective:
+their partitions - already adjacent in the rank's flat partition chunk, so usually
+without a copy - are gathered into one flat rank-major buffer, and one fused
+``split_with_sizes_copy`` writes every parameter's buffer from it (one kernel on
+CUDA): no per-parameter collective, copy or device transfer. With one rank
+(nothing to gather) a parameter whose partition already sits on the compute device
+is made a view of that partition: no buffer, no copy. The buffer's storage object is kept for the parameter's lifetime,
 so views autograd saved during forward (``weight.t()`` inside ``F.linear``) see
 the data again when backward regathers the parameter - no special linear layer
 is needed, and activation checkpointing that recomputes forward inside backward
@@ -182,11 +188,12 @@ def _full_buffer(p) -> torch.Tensor:
 class GatherHandle:
     """An all-gather of several parameters; :meth:`wait` makes them AVAILABLE."""
 
-    def __init__(self, params, works, keep, swapped=()):
+    def __init__(self, params, works, keep, swapped=(), flat=None):
         self.params = params
         self.works = works
         self.keep = keep       # device copies of host partitions, alive until the gather ends
         self.swapped = swapped  # (swapper, params) whose NVMe partitions are held until the gather ends
+        self.flat = flat       # (rank-major gathered buffer, partition sizes) of a one-collective gather
         self.done = False
 
     def wait(self) -> None:
@@ -199,6 +206,14 @@ class GatherHandle:
         finally:
             _release_swapped(self.swapped)
             self.swapped = ()
+        if self.flat is not None:
+            out, sizes = self.flat
+            rows = out.view(-1, sum(sizes))
+            with torch.no_grad():
+                torch.split_with_sizes_copy(rows, sizes, dim=1,
+                                            out=[p._z3_full[:rows.shape[0] * s].view(-1, s)
+                                                 for p, s in zip(self.params, sizes)])
+            self.flat = None
         for p in self.params:
             p.data = p._z3_full[:p.ds_numel].view(p.ds_shape)
             p.ds_status = ZeroParamStatus.AVAILABLE
@@ -238,16 +253,50 @@ def _pool_batches(sw, params):
     return batches
 
 
-def gather_params(params, async_op: bool = False, what: str = ""):
+def _flat_input(parts) -> torch.Tensor:
+    """``parts`` as one flat tensor: a view when they lie back to back in one storage (the
+    partitions of parameters adjacent in a master chunk), else one concatenation."""
+    first = parts[0]
+    st, esz = first.untyped_storage(), first.element_size()
+    nxt = first.data_ptr()
+    for t in parts:
+        if t.untyped_storage().data_ptr() != st.data_ptr() or t.data_ptr() != nxt or not t.is_contiguous():
+            return torch.cat([t.reshape(-1) for t in parts])
+        nxt += t.numel() * esz
+    n = sum(t.numel() for t in parts)
+    return first.new_empty(0).set_(st, first.storage_offset(), (n,))
+
+
+def _alias_partitions(todo) -> list:
+    """With one rank a partition is the whole parameter: make each parameter whose partition
+    lives on its compute device (same dtype, in memory) a view of it. Returns the rest."""
+    rest = []
+    for p in todo:
+        part = p.ds_tensor
+        if (p._z3.comm.world_size == 1 and getattr(p._z3, "swapper", None) is None
+                and part.device == p._z3.device and part.numel() >= p.ds_numel and part.untyped_storage().nbytes()):
+            p.data = part[:p.ds_numel].view(p.ds_shape)
+            p._z3_alias = True
+            p.ds_status = ZeroParamStatus.AVAILABLE
+        else:
+            rest.append(p)
+    return rest
+
+
+def gather_params(params, async_op: bool = False, what: str = "", alias: bool = False):
     """Start (and unless ``async_op``, finish) gathering every NOT_AVAILABLE param in ``params``.
 
     Collective: every rank of the parameters' group must call it with the same params.
+    ``alias``: the training schedule's gathers (not GatheredParameters, whose callers may keep
+    what they read): with one rank, parameters become views of their partitions.
     Returns the handle (None when nothing needed gathering)."""
     todo, seen = [], set()
     for p in params:
         if p.ds_status == ZeroParamStatus.NOT_AVAILABLE and id(p) not in seen:
             seen.add(id(p))
             todo.append(p)
+    if alias and todo:
+        todo = _alias_partitions(todo)
     if not todo:
         return None
     comm = todo[0]._z3.comm
@@ -267,23 +316,41 @@ def gather_params(params, async_op: bool = False, what: str = ""):
     comm.check(KIND_GATHER, [p.ds_id for p in todo], sum(p.ds_tensor.numel() for p in todo) * comm.world_size,
                what or comm.describe(todo))
     held = []
+    flat = None
     try:
         for sw, ps in swapped:
             sw.make_resident(ps)
             held.append((sw, ps))
         works, keep = [], []
-        for p in todo:
-            full = _full_buffer(p)
-            src = p.ds_tensor
-            if src.device != p._z3.device:
-                src = src.to(p._z3.device, non_blocking=True)
-                keep.append(src)
-            works.append(comm.all_gather_into(full, src, async_op=async_op))
-            p.ds_status = ZeroParamStatus.INFLIGHT
+        if len(todo) > 1 and len({(p.ds_tensor.dtype, p._z3.device) for p in todo}) == 1:
+            # one collective for all: partitions in (one flat input), rank-major flat buffer out
+            sizes = [p.ds_tensor.numel() for p in todo]
+            src = _flat_input([p.ds_tensor for p in todo])
+            if src.device != todo[0]._z3.device:
+                src = src.to(todo[0]._z3.device, non_blocking=True)
+            keep.append(src)
+            out = torch.empty(comm.world_size * src.numel(), dtype=src.dtype, device=src.device)
+            for p in todo:
+                _full_buffer(p)
+                p.ds_status = ZeroParamStatus.INFLIGHT
+            works.append(comm.all_gather_into(out, src, async_op=async_op))
+            flat = (out, sizes)
+        else:
+            for p in todo:
+                full = _full_buffer(p)
+                src = p.ds_tensor
+                if src.device != p._z3.device:
+                    src = src.to(p._z3.device, non_blocking=True)
+                    keep.append(src)
+                works.append(comm.all_gather_into(full, src, async_op=async_op))
+                p.ds_status = ZeroParamStatus.INFLIGHT
     except BaseException:
         _release_swapped(held)
+        for p in todo:
+            if p.ds_status == ZeroParamStatus.INFLIGHT:
+                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         raise
-    handle = GatherHandle(todo, works, keep, held)
+    handle = GatherHandle(todo, works, keep, held, flat)
     for p in todo:
         p._z3_handle = handle
     if not async_op:
@@ -294,6 +361,10 @@ def gather_params(params, async_op: bool = False, what: str = ""):
 class _MultiHandle:
     def __init__(self, handles):
         self.handles = [h for h in handles if h is not None]
+
+    @property
+    def done(self) -> bool:
+        return all(h.done for h in self.handles)
 
     def wait(self):
         for h in self.handles:
@@ -321,7 +392,9 @@ def release_param(p, force: bool = False, rebind: bool = False) -> bool:
     if p.ds_status == ZeroParamStatus.INFLIGHT:
         p._z3_handle.wait()
     p.data = _placeholder(p.ds_tensor.dtype, p._z3.device)
-    if rebind:
+    if p.__dict__.get("_z3_alias"):      # a view of the partition (one rank): nothing to free
+        p._z3_alias = False
+    elif rebind:
         p._z3_full = None
     else:
         p._z3_full.untyped_storage().resize_(0)

@@ -32,8 +32,8 @@ from .estimators import estimate_zero3_model_states_mem_needs  # noqa: F401 - De
 from .estimators import estimate_zero3_model_states_mem_needs_all_cold  # noqa: F401
 from .estimators import estimate_zero3_model_states_mem_needs_all_live  # noqa: F401
 from .parameter_offload import ParameterCoordinator
-from .partitioned_param import (PartitionSpec, ZeroParamStatus, convert_param, gather_params, is_zero_param,
-                                release_param)
+from .partitioned_param import (PartitionSpec, ZeroParamStatus, _flat_input, convert_param, gather_params,
+                                is_zero_param, release_param)
 from .stage3_comm import KIND_GATHER, KIND_STEP, comm_for
 from .stage3_fragments import Stage3StateAccess
 from .stage3_grads import GradReducer
@@ -124,7 +124,8 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
                                    overlap=z.overlap,
                                    comm_dtype=_comm_dtype(cfg.model.communication_data_type),
                                    predivide=cfg.model.gradient_predivide_factor,
-                                   max_columns=sum(c.numel for c in self.parts.chunks))
+                                   max_columns=sum(c.numel for c in self.parts.chunks),
+                                   sink_many=self.parts.accumulate_many, order=self.parts.slot_order)
         self.coordinator = ParameterCoordinator(module, z.prefetch_bucket_size, z.max_live_parameters,
                                                 z.max_reuse_distance)
         seen = set()
@@ -373,6 +374,8 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
               if self.parts.owns(p) and p.ds_numel > 0]
         limit = max(1, self.ctx.config.zero.allgather_bucket_size)
         ws = self.comm.world_size
+        # evenly split parameters first: their batches copy out in one fused operation
+        ps.sort(key=lambda p: p.ds_numel != ws * p.ds_tensor.numel())
         i = 0
         while i < len(ps):
             batch, n = [], 0
@@ -386,17 +389,25 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
     def _gather_whole(self, batch) -> None:
         sizes = [p.ds_tensor.numel() for p in batch]
         total, ws = sum(sizes), self.comm.world_size
-        inp = torch.cat([p.ds_tensor.to(self.spec.device) for p in batch])
+        inp = _flat_input([p.ds_tensor for p in batch])
+        if inp.device != self.spec.device:
+            inp = inp.to(self.spec.device)
         out = torch.empty(ws * total, dtype=inp.dtype, device=inp.device)
         self.comm.check(KIND_GATHER, [p.ds_id for p in batch], ws * total, "parameters kept whole, after the step")
         self.comm.all_gather_into(out, inp)
         rows = out.view(ws, total)
+        # one fused copy into every parameter whose size the ranks split evenly (no padding),
+        # one copy each for the others
+        even = [p.ds_numel == ws * s and p.data.is_contiguous() and p.data.dtype == out.dtype
+                for p, s in zip(batch, sizes)]
+        if all(even):
+            torch.split_with_sizes_copy(rows, sizes, dim=1, out=[p.data.view(ws, s) for p, s in zip(batch, sizes)])
+            return
         off = 0
-        with torch.no_grad():
-            for p, s in zip(batch, sizes):
-                full = rows[:, off:off + s].reshape(-1)[:p.ds_numel]
-                p.data.copy_(full.view(p.ds_shape))
-                off += s
+        for p, s in zip(batch, sizes):
+            full = rows[:, off:off + s].reshape(-1)[:p.ds_numel]
+            p.data.copy_(full.view(p.ds_shape))
+            off += s
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._unsynced.clear()

@@ -16,6 +16,7 @@ so checking never synchronises the host with the device.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -102,7 +103,8 @@ class CheckedComm:
         if not self.active:
             return
         self.seq += 1
-        hdr = torch.tensor([kind, self.seq, digest(ids), int(numel)], dtype=torch.int64)
+        # from numpy: a header is four host integers, not a tensor op worth a dispatch
+        hdr = torch.from_numpy(np.array([kind, self.seq, digest(ids), int(numel)], dtype=np.int64))
         out = torch.empty(self.world_size * _HEADER, dtype=torch.int64)
         try:
             _all_gather_1(out, hdr, group=self.header_group)

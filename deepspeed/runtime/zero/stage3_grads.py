@@ -1,17 +1,18 @@
 """Reduce-scatter of full gradients into their owners' partitions, in buckets.
 
 Gradient hooks hand each parameter's full gradient to :class:`GradReducer` as soon
-as autograd has accumulated it. The gradient is copied at once into the open
-bucket - an ``(N, cap)`` buffer whose row ``r`` collects rank ``r``'s slice of every
-parameter in the bucket - and the full gradient is freed, so at most one full
-gradient exists outside the buckets. A bucket holds at most ``reduce_bucket_size``
-elements (``cap = reduce_bucket_size / N`` columns, never more than the trainable
-parameters need); when the next slice does not fit, the bucket is reduce-scattered
-asynchronously (its rows are the per-rank inputs, so no re-layout copy is needed)
-and a new one opens. One bucket reduces while the next fills, which bounds the
-transient memory by twice the bucket size (plus the received slices). Each rank
-receives its averaged slice of every parameter of the bucket and hands it to
-``sink(param, slice)``.
+as autograd has accumulated it (``p.grad`` is taken, not copied). When the pending
+gradients fill a bucket - at most ``reduce_bucket_size`` elements (``cap =
+reduce_bucket_size / N`` columns, never more than the trainable parameters need) -
+one fused ``torch._chunk_cat`` lays them out as an ``(N, cols)`` buffer whose row
+``r`` holds rank ``r``'s slice of every pending gradient (zero-padded), the full
+gradients are dropped, and the buffer is reduce-scattered asynchronously (its rows
+are the per-rank inputs). One bucket reduces while the next fills, which bounds the
+transient memory by about three buckets (pending gradients, the bucket being laid
+out, the one in flight). Each rank receives its averaged slice of every parameter
+of the bucket. The columns are ordered by the owner's layout (``order``), so a
+``sink_many`` can add runs of adjacent partitions with one operation each; without
+it, ``sink(param, slice)`` per parameter. No per-parameter copy on the hot path.
 """
 from __future__ import annotations
 
@@ -23,88 +24,95 @@ _MAX_INFLIGHT = 1   # one bucket reducing while the next fills (2 was not faster
 
 
 class _Bucket:
-    def __init__(self, buf):
-        self.buf = buf          # (world_size, cap)
-        self.items = []         # (param, column offset, partition size)
-        self.fill = 0
+    def __init__(self, buf, items):
+        self.buf = buf          # (world_size, cols)
+        self.items = items      # (param, column offset, partition size)
+        self.fill = buf.shape[1]
         self.out = None
         self.work = None
 
 
 class GradReducer:
     def __init__(self, comm: CheckedComm, bucket_size: int, sink, *, overlap: bool = True, comm_dtype=None,
-                 predivide: float = 1.0, max_columns: int = None):
+                 predivide: float = 1.0, max_columns: int = None, sink_many=None, order=None):
         self.comm = comm
         self.cap = max(1, int(bucket_size) // comm.world_size)
         if max_columns is not None:          # no bucket larger than what all trainable params need
             self.cap = max(1, min(self.cap, int(max_columns)))
         self.sink = sink
+        self.sink_many = sink_many           # (items, out) -> None: a whole bucket's slices at once
+        self.order = order                   # param -> sort key of its column in a bucket
         self.overlap = overlap
         self.comm_dtype = comm_dtype
         self.predivide = float(predivide)
-        self.open = None
+        self.pending = []                    # (param, full gradient, partition size)
+        self.pending_cols = 0
         self.inflight = []
         self.launches = 0
         self.peak_buffer_bytes = 0     # most bucket bytes alive at once (transient memory)
 
-    def take(self, p) -> None:
-        """Move ``p.grad`` into the open bucket and drop it (``p.grad`` becomes None) before a
-        full bucket is launched, so the full gradient is not alive during the reduce-scatter."""
-        grad, p.grad = p.grad, None
-        self.add(p, grad, _owned=True)
+    @property
+    def open(self):   # the bucket being filled: None when nothing is pending
+        return self.pending or None
 
-    def add(self, p, grad: torch.Tensor, _owned: bool = False) -> None:
+    def take(self, p) -> None:
+        """Take ``p.grad`` into the pending bucket (``p.grad`` becomes None)."""
+        grad, p.grad = p.grad, None
+        self.add(p, grad)
+
+    def add(self, p, grad: torch.Tensor, _owned: bool = True) -> None:
         s = p.ds_tensor.numel()
         if s == 0:
             return
-        if self.open is not None and self.open.fill + s > self.open.buf.shape[1]:
+        if self.pending and self.pending_cols + s > self.cap:
             self._launch()
-        if self.open is None:
-            ws = self.comm.world_size
-            dtype = self.comm_dtype or grad.dtype
-            self.open = _Bucket(torch.empty(ws, max(self.cap, s), dtype=dtype, device=grad.device))
-            self._account()
-        b = self.open
-        self._copy_in(b.buf, b.fill, s, grad.reshape(-1))
-        if _owned:
-            del grad          # the caller holds no other reference: freed here
-        b.items.append((p, b.fill, s))
-        b.fill += s
-        if b.fill >= b.buf.shape[1]:
+        self.pending.append((p, grad, s))
+        self.pending_cols += s
+        if self.pending_cols >= self.cap:
             self._launch()
-
-    def _copy_in(self, buf, off, s, flat) -> None:
-        """Row r, columns [off, off+s): elements [r*s, (r+1)*s) of the gradient, zero-padded."""
-        ws, n = buf.shape[0], flat.numel()
-        k = min(n // s, ws)
-        if k:
-            buf[:k, off:off + s].copy_(flat[:k * s].view(k, s))
-        if k < ws:
-            rem = n - k * s
-            if rem:
-                buf[k, off:off + rem].copy_(flat[k * s:])
-            buf[k, off + rem:off + s].zero_()
-            buf[k + 1:, off:off + s].zero_()
 
     def flush(self) -> None:
-        if self.open is not None and self.open.items:
+        if self.pending:
             self._launch()
-        self.open = None
         while self.inflight:
             self._finish_oldest()
 
+    def _layout(self, pending) -> torch.Tensor:
+        """(world_size, sum of partition sizes): row r = elements [r*s, (r+1)*s) of each gradient."""
+        ws = self.comm.world_size
+        flats = [g.reshape(-1) for _, g, _ in pending]
+        dtype = self.comm_dtype or flats[0].dtype
+        if len({f.dtype for f in flats}) > 1:
+            flats = [f.to(dtype) for f in flats]
+        if ws == 1:
+            buf = flats[0].view(1, -1) if len(flats) == 1 else torch.cat(flats).view(1, -1)
+            if len(flats) == 1 and self.predivide != 1.0:
+                buf = buf.clone()    # the caller's gradient is not divided in place
+        else:
+            buf = torch._chunk_cat(flats, 0, ws)
+        return buf.to(dtype) if buf.dtype != dtype else buf
+
     def _launch(self) -> None:
-        b, self.open = self.open, None
-        if b is None or not b.items:
+        pending, self.pending, self.pending_cols = self.pending, [], 0
+        if not pending:
             return
-        params = [p for p, _, _ in b.items]
+        if self.order is not None:
+            pending.sort(key=lambda x: self.order(x[0]))
+        params = [p for p, _, _ in pending]
+        items, off = [], 0
+        for p, _, s in pending:
+            items.append((p, off, s))
+            off += s
+        self._account(pending)
+        buf = self._layout(pending)
+        del pending              # the full gradients go here: only the laid-out bucket remains
+        b = _Bucket(buf, items)
         self.comm.check(KIND_REDUCE, [p.ds_id for p in params], b.fill * self.comm.world_size,
                         self.comm.describe(params))
-        rows = b.buf[:, :b.fill]
         if self.predivide != 1.0:
-            rows.div_(self.predivide)
+            b.buf.div_(self.predivide)
         b.out = torch.empty(b.fill, dtype=b.buf.dtype, device=b.buf.device)
-        b.work = self.comm.reduce_scatter_rows(b.out, rows, async_op=self.overlap)
+        b.work = self.comm.reduce_scatter_rows(b.out, b.buf, async_op=self.overlap)
         self.inflight.append(b)
         self.launches += 1
         self._account()
@@ -113,10 +121,11 @@ class GradReducer:
         while len(self.inflight) > _MAX_INFLIGHT:
             self._finish_oldest()
 
-    def _account(self) -> None:
-        live = [x for x in self.inflight] + ([self.open] if self.open is not None else [])
+    def _account(self, pending=()) -> None:
         n = sum(x.buf.numel() * x.buf.element_size() + (x.out.numel() * x.out.element_size() if x.out is not None
-                                                         else 0) for x in live)
+                                                         else 0) for x in self.inflight)
+        # while a bucket is laid out: its pending full gradients and the (N, cols) buffer
+        n += sum(s * self.comm.world_size * g.element_size() * 2 for _, g, s in pending)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, n)
 
     def _finish_oldest(self) -> None:
@@ -126,6 +135,9 @@ class GradReducer:
         scale = self.predivide / self.comm.world_size
         if scale != 1.0:
             b.out.mul_(scale)
-        for p, off, s in b.items:
-            self.sink(p, b.out[off:off + s])
+        if self.sink_many is not None:
+            self.sink_many(b.items, b.out)
+        else:
+            for p, off, s in b.items:
+                self.sink(p, b.out[off:off + s])
         b.buf = b.out = b.items = None

@@ -85,6 +85,7 @@ class MasterPartitions:
                 c = Chunk(gi, plist)
                 self._build(c, share_master, pin)
                 self.chunks.append(c)
+        self._chunk_index = {id(c): i for i, c in enumerate(self.chunks)}
 
     def _build(self, c: Chunk, share: bool, pin: bool) -> None:
         dev = c.params[0]._z3.partition_device
@@ -163,6 +164,35 @@ class MasterPartitions:
         c, off, s = self.slot[id(p)]
         # blocking: a non-blocking device-to-host copy could be read before it lands
         c.grad[off:off + s].add_(reduced.to(device=c.grad.device, dtype=c.grad.dtype))
+
+    def slot_order(self, p):
+        """Sort key of ``p``'s partition in this rank's layout (chunk index, offset)."""
+        c, off, _ = self.slot[id(p)]
+        return (self._chunk_index[id(c)], off)
+
+    def accumulate_many(self, items, reduced: torch.Tensor) -> None:
+        """``items``: (param, offset in ``reduced``, size), in slot order. Runs of partitions that
+        are adjacent both in ``reduced`` and in one chunk's gradient go in one add."""
+        run = None   # [chunk, chunk offset, reduced offset, length]
+        for p, roff, s in items:
+            c, off, _ = self.slot[id(p)]
+            if run is not None and run[0] is c and run[1] + run[3] == off and run[2] + run[3] == roff:
+                run[3] += s
+                continue
+            if run is not None:
+                self._add_run(*run, reduced)
+            run = [c, off, roff, s]
+        if run is not None:
+            self._add_run(*run, reduced)
+
+    @staticmethod
+    def _add_run(c, off, roff, n, reduced) -> None:
+        # blocking: a non-blocking device-to-host copy could be read before it lands
+        src = reduced[roff:roff + n]
+        dst = c.grad[off:off + n]
+        if src.device != dst.device:
+            src = src.to(dst.device)
+        dst.add_(src)    # add_ casts the dtype itself
 
     def zero_grads(self) -> None:
         for c in self.chunks:
