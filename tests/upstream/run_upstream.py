@@ -171,8 +171,8 @@ KNOWN = [
     (r"test_zero_hook_attribute_delegation\.py", "deviation",
      "pins the attributes DeepSpeed's ZeRO-3 hooks leave on each module (pre_bwd_fn, applied_pre_backward_ref_cnt)"),
     # features with their own open issue, or outside this package
-    (r"ZeROOrderedDict", "out_of_scope", "ZeRO-3 parameter access outside the module (issue 31 item 2, "
-     "another helper)"),
+    (r"ZeROOrderedDict", "remaining", "ZeRO-3 parameter access outside the module (issue 31 item 2, "
+     "parameter_offload.py: another owner)"),
     (r"deepspeed\.runtime\.zero\.tiling", "out_of_scope", "TiledLinear is not built"),
     (r"deepspeed\.utils\.pin_memory", "out_of_scope", "DeepSpeed's native pinned-memory manager (compiled op) is "
      "not built"),
@@ -182,15 +182,25 @@ KNOWN = [
 ]
 # real gaps found and not closed in this pass (kept here so the tables say so; not deviations)
 KNOWN += [
-    (r"set_z3_leaf_modules_by_name", "remaining", "deepspeed.utils.set_z3_leaf_modules_by_name not built"),
+    (r"test_quantized_eigenvalue_config_parses", "deviation",
+     "the config file carries keys DeepSpeed silently ignores (eigenvalue.model_name, quantize_training."
+     "quantize_type/quantize_eigenvalue); ours refuses an unknown key with a 'did you mean' error"),
+    (r"test_warmup_cosine_lr_unknown_warmup_type_falls_back_to_log", "deviation",
+     "an unknown warmup_type is refused with an error naming the valid values, not silently run as 'log'"),
+    (r"test_sum_gradient_allreduce_rejects_zenflow", "out_of_scope", "ZenFlow (own open issue): the "
+     "zero_optimization.zenflow key is refused before the gradient_allreduce_op check"),
+    (r"test_sum_gradient_allreduce_rejects_deepcompile", "out_of_scope", "DeepCompile (own open issue): the "
+     "compile section is refused before the gradient_allreduce_op check"),
+    (r"test_zero_late_module_attach\.py", "remaining", "a module attached after initialize keeps a plain "
+     "_parameters dict: the ZeRO-3 pre-forward should convert it to a ZeROOrderedDict (parameter_offload.py: "
+     "another owner)"),
+    (r"has no attribute '_get_norm_groups'", "remaining", "ZeRO-3 optimizer's per-group gradient norms "
+     "(_get_norm_groups): stage3.py is being rewritten by the lead; the method is specified in the report"),
     (r"TestZero3ParamPartitioningBase::.*|has no attribute 'ds_summary'", "remaining",
-     "pins each layer's parameter status around its forward (ds_status, param.ds_summary()): the status "
-     "differs from DeepSpeed's schedule here and was not investigated in this pass"),
-    (r"has no attribute 'allreduce_gradients'", "remaining", "engine.allreduce_gradients() (the explicit reduction "
-     "after backward(allreduce_gradients=False)) not built"),
-    (r"deepspeed\.runtime\.torch_autocast", "remaining", "deepspeed.runtime.torch_autocast module not built"),
-    (r"deepspeed\.runtime\.checkpoint_engine", "remaining", "checkpoint engines (deepspeed.runtime.checkpoint_engine) "
-     "not built"),
+     "pins each layer's parameter status around its forward (ds_status, param.ds_summary()) and "
+     "get_fp32_grad_partitions(): ZeRO-3 core, being rewritten by the lead (expectations in the report)"),
+    (r"test_non_strict_load_sparse", "remaining", "load_checkpoint does not take sparse_tensor_module_names from "
+     "the checkpoint (DeepSpeed replaces the engine's set with the saved one); checkpoint code has another owner"),
 ]
 
 
