@@ -67,7 +67,22 @@ DEFAULT_MODULES = [
     "runtime/zero/test_zero_linear_direct_init.py", "runtime/zero/test_zero_nesting_init.py",
     "runtime/zero/test_zero_offloadpp.py", "runtime/zero/test_zero_tensor_fragment.py",
     "runtime/zero/test_zero_tiled.py",
-    "v1/zero/test_zero.py", "v1/zero/test_offload_states.py", "v1/zero/test_overlap_comm_record_stream.py",
+    # test_zero.py class by class: each class gets its own module budget
+    "v1/zero/test_zero.py::TestGradientAllreduceOp", "v1/zero/test_zero.py::TestGradientAllreduceOpTraining",
+    "v1/zero/test_zero.py::TestBF16OptimizerGradReduction", "v1/zero/test_zero.py::TestZeroUnbalancedGradients",
+    "v1/zero/test_zero.py::TestZero3RepeatForwardLoop", "v1/zero/test_zero.py::TestZeroToFP32",
+    "v1/zero/test_zero.py::TestIncorectAllgatherBucketSize", "v1/zero/test_zero.py::TestPartitionNcclAlignment",
+    "v1/zero/test_zero.py::TestZero3ParamPartitioningBase",
+    "v1/zero/test_zero.py::TestZero3ParamPartitioningLargeParam",
+    "v1/zero/test_zero.py::TestZero3ParamPartitioningManyParams",
+    "v1/zero/test_zero.py::TestZero3InitForParentWeightInitialization",
+    "v1/zero/test_zero.py::TestZero3ParamPartitioningBaseBF16",
+    "v1/zero/test_zero.py::TestParamPartitioningSkipInit", "v1/zero/test_zero.py::TestZeroOffloadStage1",
+    "v1/zero/test_zero.py::TestZero3DictFwd", "v1/zero/test_zero.py::TestZeroAdamOptimizerStepCount",
+    "v1/zero/test_zero.py::TestZeroFrozenWeights", "v1/zero/test_zero.py::TestZeroOffloadOptim",
+    "v1/zero/test_zero.py::TestZeroPartitionCache", "v1/zero/test_zero.py::TestEmptyParameterGroup",
+    "v1/zero/test_zero.py::TestZero3SwitchModes", "v1/zero/test_zero.py::TestZero3ClientModuleID",
+    "v1/zero/test_offload_states.py", "v1/zero/test_overlap_comm_record_stream.py",
     "v1/zero/test_stage2_flatten_on_gpu.py", "v1/zero/test_zero2_offload_multi_backward.py",
     "v1/zero/test_zero_activation_checkpoint_lifecycle.py", "v1/zero/test_zero_autocast.py",
     "v1/zero/test_zero_coalesce_grad_reduction.py", "v1/zero/test_zero_cpu_offload_grad_accum.py",
@@ -116,6 +131,12 @@ DEFAULT_MODULES = [
     "ops/adam/test_cpu_adam.py", "ops/adam/test_adamw.py", "ops/adam/test_hybrid_adam.py",
     "ops/adagrad/test_cpu_adagrad.py", "ops/lion/test_cpu_lion.py", "ops/lion/test_lion.py",
     "ops/test_op_builder.py",
+    # features built since the first pass (autotuning, elasticity, compression, data efficiency, 1-bit,
+    # Ulysses sequence parallelism / ALST)
+    "autotuning/test_autotuning.py", "elasticity/test_elastic.py", "compression/test_compression.py",
+    "runtime/test_data_efficiency.py", "runtime/half_precision/onebit/test_onebit.py",
+    "sequence_parallelism/test_ulysses.py", "sequence/test_apply_rotary_pos_emb.py",
+    "ulysses_alst/test_ulysses_sp_hf.py", "ulysses_alst/test_tiled_compute.py",
 ]
 
 # Whole modules or directories outside this run: path prefix -> why. (Built features leave this table:
