@@ -246,17 +246,21 @@ class PipelineEngine(DeepSpeedEngine):
         self._tied_grads = None
         self.idle_time, self.compute_time, self.reduce_step_time = 0.0, 0.0, 0.0
         try:
-            for cmds in sched.steps():
-                for cmd in cmds:
-                    fn = self._method_for(cmd)
-                    if isinstance(cmd, (S.ReduceTiedGrads, S.ReduceGrads, S.OptimizerStep)):
-                        t0 = time.perf_counter()
-                        fn(self, **cmd.kwargs)
-                        self.reduce_step_time += time.perf_counter() - t0
-                    else:
-                        fn(self, **cmd.kwargs)
+            # the whole program first: the receives it holds are posted ahead (see P2P.plan)
+            program = [(self._method_for(cmd), cmd) for cmds in sched.steps() for cmd in cmds]
+            n_act = sum(isinstance(cmd, S.RecvActivation) for _, cmd in program)
+            n_grad = sum(isinstance(cmd, S.RecvGrad) for _, cmd in program)
+            self.p2p.plan({(self.p2p.prev, self.p2p.act_tag): n_act, (self.p2p.next, self.p2p.grad_tag): n_grad})
+            for fn, cmd in program:
+                if isinstance(cmd, (S.ReduceTiedGrads, S.ReduceGrads, S.OptimizerStep)):
+                    t0 = time.perf_counter()
+                    fn(self, **cmd.kwargs)
+                    self.reduce_step_time += time.perf_counter() - t0
+                else:
+                    fn(self, **cmd.kwargs)
             self.p2p.wait_sends()
         except Exception as err:
+            self.p2p.abandon()
             if isinstance(err, PipelineError) and err.src is not None:   # a peer's failure: pass it on
                 self.p2p.abort(str(err), skip=err.src)
                 raise

@@ -65,8 +65,32 @@ def _parse(meta: List[int]):
     return is_tuple, out
 
 
+class _Posted:
+    """One receive posted ahead on a channel: the header, and the tensors of the shapes
+    last received there (when known)."""
+    __slots__ = ("hdr", "hdr_work", "data", "data_works")
+
+    def __init__(self, hdr, hdr_work, data, data_works):
+        self.hdr, self.hdr_work, self.data, self.data_works = hdr, hdr_work, data, data_works
+
+
+_ABANDONED: list = []   # receives left posted by a failed schedule: kept alive, never freed under gloo
+
+
 class P2P:
-    """Channels of one stage to its neighbours (global ranks ``prev``/``next``, None at the ends)."""
+    """Channels of one stage to its neighbours (global ranks ``prev``/``next``, None at the ends).
+
+    Receives are posted ahead: :meth:`plan` says how many receives each channel will see in
+    the coming schedule; the first is posted at once and each later one as soon as the one
+    before it is consumed, header and tensors together (the tensors with the shapes last
+    received on the channel). The sender's ``isend`` then goes out at once and the data
+    lands while this stage computes, instead of the receiver asking for it when it needs it
+    (gloo sends a message only once the receiver has posted a matching receive: a receive
+    posted late costs a round trip on the critical path, twice with a separate header).
+    Both sides know what the receiver posts ahead (the shapes of the last transfer), so a
+    sender whose shapes changed, or that aborts, first fills those posted tensors with
+    placeholders of the old shapes (``kind`` NEW/ABORT): every message still meets a receive
+    of its own size."""
 
     def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], device="cpu",
                  timeout_s: Optional[float] = None, stage_id: int = 0):
@@ -76,9 +100,16 @@ class P2P:
         self.stage_id = stage_id
         self._sent_meta = {}      # (peer, tag) -> description last sent
         self._recv_meta = {}      # (peer, tag) -> parsed description last received
+        self._sent_shapes = {}    # (peer, tag) -> [(wire dtype, shape)] last sent
+        self._recv_shapes = {}    # (peer, tag) -> [(wire dtype, shape)] last received
+        self._posted = {}         # (peer, tag) -> _Posted (at most one per channel)
+        self._ahead = {}          # (peer, tag) -> receives still to post in this schedule
         self._works = []          # (work, tensor) pending isends
+        self._same = torch.tensor([SAME, 0], dtype=torch.int64, device=device)   # read-only, shared by sends
         self.bytes_sent = 0
         self.descriptions_sent = 0   # how often a (new) tensor description went out
+        self.messages_sent = 0
+        self.posted_ahead = 0        # receives that were posted before they were needed
         # a fresh pair of tags per engine: messages left over by a failed engine (abort
         # notices) can never be read by a later one
         _CHANNELS[0] += 1
@@ -89,9 +120,9 @@ class P2P:
         t = t.contiguous()
         self._works.append((dist.isend(t, dst, tag=self.act_tag if tag is None else tag), t))
         self.bytes_sent += t.numel() * t.element_size()
+        self.messages_sent += 1
 
-    def _recv(self, t: torch.Tensor, src: int, what: str, tag: Optional[int] = None):
-        work = dist.irecv(t, src, tag=self.act_tag if tag is None else tag)
+    def _wait(self, work, src: int, what: str):
         try:
             ok = work.wait(self.timeout) if self.timeout is not None else work.wait()
         except RuntimeError as err:
@@ -101,49 +132,102 @@ class P2P:
         if ok is False:
             raise PipelineError(f"pipeline stage {self.stage_id}: no {what} from global rank {src} within "
                                 f"{self.timeout.total_seconds():.0f}s (pipeline.p2p_timeout).", src)
+
+    def _recv(self, t: torch.Tensor, src: int, what: str, tag: Optional[int] = None):
+        self._wait(dist.irecv(t, src, tag=self.act_tag if tag is None else tag), src, what)
         return t
 
-    def _recv_header(self, src: int, what: str, tag: Optional[int] = None):
-        hdr = self._recv(torch.zeros(2, dtype=torch.int64, device=self.device), src, what, tag)
-        kind, n = int(hdr[0]), int(hdr[1])
+    def _post(self, src: int, tag: int) -> _Posted:
+        hdr = torch.empty(2, dtype=torch.int64, device=self.device)
+        hdr_work = dist.irecv(hdr, src, tag=tag)
+        data = [torch.empty(shape, dtype=dtype, device=self.device)
+                for dtype, shape in self._recv_shapes.get((src, tag), ())]
+        return _Posted(hdr, hdr_work, data, [dist.irecv(t, src, tag=tag) for t in data])
+
+    def plan(self, receives: dict) -> None:
+        """``{(peer, tag): n}``: the receives each channel will see in the coming schedule;
+        the first of each is posted now."""
+        self.abandon()
+        self._ahead = {k: n for k, n in receives.items() if n > 0 and k[0] is not None}
+        for key in list(self._ahead):
+            self._post_next(key)
+
+    def _post_next(self, key) -> None:
+        n = self._ahead.get(key, 0)
+        if n > 0 and key not in self._posted:
+            self._ahead[key] = n - 1
+            self._posted[key] = self._post(*key)
+
+    def _take(self, src: int, tag: int, what: str):
+        """The next transfer's header on a channel: (kind, n, tensors posted ahead)."""
+        key = (src, tag)
+        posted = self._posted.pop(key, None)
+        if posted is None:
+            posted = self._post(src, tag)
+        else:
+            self.posted_ahead += 1
+        self._wait(posted.hdr_work, src, what)
+        kind, n = int(posted.hdr[0]), int(posted.hdr[1])
+        for w in posted.data_works:   # the tensors themselves, or the sender's placeholders
+            self._wait(w, src, what)
         if kind == ABORT:
             text = self._recv(torch.zeros(n, dtype=torch.uint8, device=self.device), src, "abort message", tag)
             raise PipelineError(bytes(text.tolist()).decode("utf-8", "replace"), src)
-        return kind, n
+        return kind, n, posted.data
+
+    def abandon(self) -> None:
+        """Forget receives posted ahead (after a failed schedule); gloo keeps their buffers."""
+        _ABANDONED.extend(self._posted.values())
+        self._posted.clear()
+        self._ahead.clear()
 
     def wait_sends(self) -> None:
         for w, _ in self._works:
             w.wait()
         self._works.clear()
 
+    def _fill_posted(self, dst: int, tag: int) -> None:
+        """Placeholders for the tensors the receiver posted ahead (the shapes last sent)."""
+        for dtype, shape in self._sent_shapes.get((dst, tag), ()):
+            self._isend(torch.zeros(shape, dtype=dtype, device=self.device), dst, tag)
+
     # ------------------------------------------------------------------ activations
     def send_tensors(self, tensors: Sequence[torch.Tensor], dst: int, is_tuple: bool = True) -> None:
-        wire = [t.to(torch.uint8) if t.dtype == torch.bool else t for t in tensors]
+        wire = [(t.to(torch.uint8) if t.dtype == torch.bool else t).detach() for t in tensors]
         meta = _describe(tensors, is_tuple)
-        if self._sent_meta.get((dst, self.act_tag)) != meta:
+        key = (dst, self.act_tag)
+        if self._sent_meta.get(key) != meta:
             self._isend(torch.tensor([NEW, len(meta)], dtype=torch.int64, device=self.device), dst)
+            self._fill_posted(dst, self.act_tag)
             self._isend(torch.tensor(meta, dtype=torch.int64, device=self.device), dst)
-            self._sent_meta[(dst, self.act_tag)] = meta
+            self._sent_meta[key] = meta
             self.descriptions_sent += 1
         else:
-            self._isend(torch.tensor([SAME, 0], dtype=torch.int64, device=self.device), dst)
+            self._isend(self._same, dst)
+        self._sent_shapes[key] = [(t.dtype, tuple(t.shape)) for t in wire]
         for t in wire:
-            self._isend(t.detach(), dst)
+            self._isend(t, dst)
 
     def recv_tensors(self, src: int, what: str = "activations"):
         """The tensors sent (a tuple, or one tensor when a single tensor was sent)."""
-        kind, n = self._recv_header(src, what)
+        key = (src, self.act_tag)
+        kind, n, data = self._take(src, self.act_tag, what)
         if kind == NEW:
             meta = self._recv(torch.zeros(n, dtype=torch.int64, device=self.device), src, what).tolist()
-            self._recv_meta[(src, self.act_tag)] = _parse(meta)
-        elif (src, self.act_tag) not in self._recv_meta:
+            self._recv_meta[key] = _parse(meta)
+            data = None
+        elif key not in self._recv_meta:
             raise PipelineError(f"pipeline stage {self.stage_id}: {what} from rank {src} arrived without a "
                                 f"description; the stages are out of step.")
-        is_tuple, descr = self._recv_meta[(src, self.act_tag)]
+        is_tuple, descr = self._recv_meta[key]
+        shapes = [(torch.uint8 if dtype == torch.bool else dtype, shape) for dtype, _, shape in descr]
+        if not data:
+            data = [self._recv(torch.empty(shape, dtype=wire, device=self.device), src, what)
+                    for wire, shape in shapes]
+        self._recv_shapes[key] = shapes
+        self._post_next(key)
         out = []
-        for dtype, rg, shape in descr:
-            wire = torch.uint8 if dtype == torch.bool else dtype
-            t = self._recv(torch.empty(shape, dtype=wire, device=self.device), src, what)
+        for (dtype, rg, _), t in zip(descr, data):
             if dtype == torch.bool:
                 t = t.to(torch.bool)
             if rg and t.is_floating_point():
@@ -153,14 +237,31 @@ class P2P:
 
     # ------------------------------------------------------------------ gradients
     def send_grads(self, grads: Sequence[torch.Tensor], dst: int) -> None:
-        self._isend(torch.tensor([SAME, 0], dtype=torch.int64, device=self.device), dst, self.grad_tag)
+        key = (dst, self.grad_tag)
+        shapes = [(g.dtype, tuple(g.shape)) for g in grads]
+        old = self._sent_shapes.get(key)
+        if old is not None and old != shapes:   # the receiver posted the old shapes: fill them first
+            self._isend(torch.tensor([NEW, 0], dtype=torch.int64, device=self.device), dst, self.grad_tag)
+            self._fill_posted(dst, self.grad_tag)
+        else:
+            self._isend(self._same, dst, self.grad_tag)
+        self._sent_shapes[key] = shapes
         for g in grads:
             self._isend(g.detach(), dst, self.grad_tag)
 
     def recv_grads(self, like: Sequence[torch.Tensor], src: int) -> List[torch.Tensor]:
-        self._recv_header(src, "gradients", self.grad_tag)
-        return [self._recv(torch.empty_like(t, memory_format=torch.contiguous_format), src, "gradients", self.grad_tag)
-                for t in like]
+        key = (src, self.grad_tag)
+        kind, _, data = self._take(src, self.grad_tag, "gradients")
+        shapes = [(t.dtype, tuple(t.shape)) for t in like]
+        if kind == NEW or not data:
+            data = [self._recv(torch.empty(shape, dtype=dtype, device=self.device), src, "gradients", self.grad_tag)
+                    for dtype, shape in shapes]
+        elif [(t.dtype, tuple(t.shape)) for t in data] != shapes:
+            raise PipelineError(f"pipeline stage {self.stage_id}: gradients from rank {src} do not match the "
+                                f"outputs they belong to; the stages are out of step.")
+        self._recv_shapes[key] = shapes
+        self._post_next(key)
+        return data
 
     # ------------------------------------------------------------------ abort
     def abort(self, message: str, skip: Optional[int] = None) -> None:
@@ -175,8 +276,11 @@ class P2P:
             for tag in (self.act_tag, self.grad_tag):   # the neighbour may be waiting on either channel
                 try:
                     hdr = torch.tensor([ABORT, data.numel()], dtype=torch.int64, device=self.device)
-                    pair = (dist.isend(hdr, peer, tag=tag), dist.isend(data, peer, tag=tag))
-                    pending.setdefault(peer, []).append(pair)
+                    works = [dist.isend(hdr, peer, tag=tag)]
+                    for dtype, shape in self._sent_shapes.get((peer, tag), ()):   # what it posted ahead
+                        works.append(dist.isend(torch.zeros(shape, dtype=dtype, device=self.device), peer, tag=tag))
+                    works.append(dist.isend(data, peer, tag=tag))
+                    pending.setdefault(peer, []).append(works)
                 except Exception:  # noqa: BLE001 - best effort while failing
                     pass
         deadline = time.monotonic() + ABORT_WAIT_S
