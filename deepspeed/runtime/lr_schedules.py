@@ -71,7 +71,8 @@ _KIND_TEXT = {"lrs": "a non-negative number or a list of them (one per parameter
               "lrs_or_none": "a non-negative number, a list of them (one per parameter group), or null",
               "nonneg_int": "a non-negative integer", "pos_int": "a positive integer", "int": "an integer",
               "int_or_none": "an integer or null", "pos_number": "a positive number",
-              "pos_number_or_none": "a positive number or null", "nonneg_or_none": "a non-negative number or null", "nonneg": "a non-negative number",
+              "pos_number_or_none": "a positive number or null", "nonneg_or_none": "a non-negative number or null",
+              "nonneg": "a non-negative number",
               "number": "a number", "bool": "true or false", "unit": "a number in [0, 1]",
               "warmup_type": "'log' or 'linear'", "iteration": "an integer >= -1"}
 
