@@ -7,7 +7,8 @@ their own free port for ``torch.distributed``) with between ``--min_elastic_node
 stops its workers and starts them again at the new world size (up to ``MAX_RESTARTS``
 times); the training script resumes from its latest checkpoint and the elastic config
 (``elasticity`` section) keeps the global batch size. ``$DEEPSPEED_ELASTICITY_CONFIG``
-is passed through to the workers when set.
+is passed through to the workers when set. Nodes of one job share ``$ELASTIC_RUN_ID``;
+``$DS_ELASTIC_RDZV_CONF`` tunes the rendezvous (see :func:`rendezvous_config`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ from typing import Dict, List
 MAX_RESTARTS = 100
 #: Seconds between the agent's health checks of its workers (DeepSpeed: 5).
 MONITOR_INTERVAL = 1.0
+#: DeepSpeed's default rendezvous id (``ELASTIC_TRAINING_ID_DEFAULT``).
+ELASTIC_TRAINING_ID_DEFAULT = "123456789"
+#: Extra rendezvous options, ``key=value,...``.
+RDZV_CONF_ENV = "DS_ELASTIC_RDZV_CONF"
 
 
 def worker_command(args) -> List[str]:
@@ -33,6 +38,27 @@ def worker_command(args) -> List[str]:
     if not args.no_local_rank:
         cmd.append(f"--local_rank={macros.local_rank}")
     return cmd + list(args.user_args)
+
+
+def run_id(environ) -> str:
+    """The rendezvous id every node of one job shares: ``$ELASTIC_RUN_ID`` (DeepSpeed's
+    variable; ``$DS_ELASTIC_RUN_ID`` is read too), default DeepSpeed's ``123456789``."""
+    return environ.get("ELASTIC_RUN_ID") or environ.get("DS_ELASTIC_RUN_ID") or ELASTIC_TRAINING_ID_DEFAULT
+
+
+def rendezvous_config(environ) -> Dict[str, str]:
+    """Options for torch's c10d rendezvous: DeepSpeed's ``timeout=100``, then
+    ``$DS_ELASTIC_RDZV_CONF`` (``key=value,...`` as torchrun's ``--rdzv_conf``), e.g.
+    ``last_call_timeout=2`` (seconds a complete-enough round waits for more nodes; torch's
+    default 30), ``join_timeout``, ``close_timeout``, ``keep_alive_interval``."""
+    conf = {"timeout": "100"}
+    raw = environ.get(RDZV_CONF_ENV, "").strip()
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"{RDZV_CONF_ENV}={raw!r}: expected key=value[,key=value...], got {item!r}")
+        conf[key.strip()] = value.strip()
+    return conf
 
 
 def node_range(args, num_nodes: int):
@@ -56,11 +82,11 @@ def run_elastic(args, procs_per_node: int, num_nodes: int, env: Dict[str, str]) 
     lo, hi = node_range(args, num_nodes)
     cmd = worker_command(args)
     params = RendezvousParameters(backend="c10d", endpoint=f"{args.master_addr}:{args.master_port}",
-                                  run_id=os.environ.get("DS_ELASTIC_RUN_ID", "deepspeed-elastic"),
-                                  min_nodes=lo, max_nodes=hi,
+                                  run_id=run_id(os.environ), min_nodes=lo, max_nodes=hi,
                                   # the rendezvous store lives with node 0 (--master_addr), never elsewhere:
                                   # a node that leaves must not take the store with it
-                                  is_host=max(getattr(args, "node_rank", -1), 0) == 0)
+                                  is_host=max(getattr(args, "node_rank", -1), 0) == 0,
+                                  **rendezvous_config(os.environ))
     spec = WorkerSpec(role="trainer", local_world_size=procs_per_node, entrypoint=cmd[0], args=tuple(cmd[1:]),
                       rdzv_handler=get_rendezvous_handler(params), max_restarts=MAX_RESTARTS,
                       monitor_interval=MONITOR_INTERVAL)
