@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deepspeed.elasticity.elastic_launch import node_range, worker_command
+from deepspeed.elasticity.elastic_launch import node_range, rendezvous_config, run_id, worker_command
 from tests.helpers.dist import free_port
 
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
@@ -46,6 +46,17 @@ def test_node_range_and_command():
     with pytest.raises(ValueError, match="min_elastic_nodes"):
         node_range(a, 3)
     assert worker_command(a)[1:] == ["-u", "train.py", "--local_rank=${local_rank}", "--x", "1"]
+
+
+def test_run_id_and_rendezvous_config():
+    assert run_id({}) == "123456789"                                # DeepSpeed's ELASTIC_TRAINING_ID_DEFAULT
+    assert run_id({"ELASTIC_RUN_ID": "job7", "DS_ELASTIC_RUN_ID": "x"}) == "job7"
+    assert run_id({"DS_ELASTIC_RUN_ID": "x"}) == "x"
+    assert rendezvous_config({}) == {"timeout": "100"}              # DeepSpeed's rdzv_configs
+    got = rendezvous_config({"DS_ELASTIC_RDZV_CONF": " last_call_timeout=2, keep_alive_interval=1 ,"})
+    assert got == {"timeout": "100", "last_call_timeout": "2", "keep_alive_interval": "1"}
+    with pytest.raises(ValueError, match="DS_ELASTIC_RDZV_CONF.*key=value.*'join_timeout'"):
+        rendezvous_config({"DS_ELASTIC_RDZV_CONF": "join_timeout"})
 
 
 @pytest.mark.slow

@@ -208,3 +208,21 @@ def test_rank_commands():
     assert launch.rank_command(a, 1) == [PY, "-u", "-m", "pkg.train", "--lr", "1"]
     a = p.parse_args(["--world_info=x", "--no_python", "./run.sh"])
     assert launch.rank_command(a, 0) == ["./run.sh", "--local_rank=0"]
+
+
+def test_master_addr_default_is_first_hosts_hostname_i(tmp_path, monkeypatch):
+    """DeepSpeed's default --master_addr: the first word 'ssh <first host> hostname -I' prints
+    (a stand-in ssh here; the real one runs in tests/multinode); no address: a clear error."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ssh").write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/args\"\n"
+                              "[ \"$FAKE_SSH_FAIL\" = 1 ] && { echo 'no route to host' >&2; exit 255; }\n"
+                              "echo '10.1.2.3 172.17.0.1 '\n")
+    (fake / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:/usr/bin:/bin")
+    args = runner.parse_args(["--ssh_port", "2222", "train.py"])
+    assert runner.first_host_address(args, "worker-0") == "10.1.2.3"
+    assert (fake / "args").read_text().split() == ["-p", "2222", "worker-0", "hostname", "-I"]
+    monkeypatch.setenv("FAKE_SSH_FAIL", "1")
+    with pytest.raises(ResourceError, match="worker-0 hostname -I' failed: no route to host; pass --master_addr"):
+        runner.first_host_address(args, "worker-0")
