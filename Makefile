@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all upstream-tests demo bench clean
+.PHONY: install test test-all multinode-bed upstream-tests demo bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -19,11 +19,16 @@ install: $(STAMP)
 
 # `make test`: the CI suite (budget: 10 minutes on 2 quiet cores). Tests marked `slow` are the
 # exhaustive variants (long parity runs, client matrices, benchmarks-as-tests): `make test-all`.
-test: $(STAMP)
+test: $(STAMP) multinode-bed
 	$(VPY) -m pytest tests -x -q -p no:cacheprovider -m "not slow"
 
-test-all: $(STAMP)
+test-all: $(STAMP) multinode-bed
 	$(VPY) -m pytest tests -q -p no:cacheprovider
+
+# Debian packages of the multi-host test bed (tests/multinode: sshd, pdsh, OpenMPI), installed
+# only when missing and only as root with apt-get; never fails (the tests then skip, saying why).
+multinode-bed:
+	-@sh tests/multinode/setup_packages.sh
 
 # DeepSpeed's own tests/unit run against this package on CPU (not part of `make test`; takes long).
 # DS_UPSTREAM_REPO=<DeepSpeed checkout or bare repo>, UPSTREAM_ARGS="--modules checkpoint/test_x.py ..."
