@@ -6,6 +6,7 @@ split into contiguous rank shards), and writes ``<out>/rank<R>.json``: its host,
 rendezvous variables it saw, the value of ``DS_MN_MARK`` (set only in the job's
 ``.deepspeed_env``), its per-step losses, and (rank 0) the trained parameters.
 
+``--hidden``/``--layers`` widen the model (benchmarks/multinode.py).
 ``--hang_after N``: after ``N`` steps (0: right after ``init_distributed``) every rank
 writes ``<out>/ready<R>`` with its pid and idles in all-reduces, so a test can kill one.
 """
@@ -26,6 +27,8 @@ p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--global_batch", type=int, default=8)
 p.add_argument("--hang_after", type=int, default=-1)
+p.add_argument("--hidden", type=int, default=16, help="TinyMLP width (the benchmark uses a wider one)")
+p.add_argument("--layers", type=int, default=2)
 a = p.parse_args()
 
 deepspeed.init_distributed(dist_backend="gloo")
@@ -44,7 +47,7 @@ if a.hang_after == 0:
     idle_in_collectives()
 config = {"train_batch_size": a.global_batch, "train_micro_batch_size_per_gpu": a.global_batch // world,
           "gradient_clipping": 1.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
-engine, *_ = deepspeed.initialize(model=make_model(seed=0), config=config)
+engine, *_ = deepspeed.initialize(model=make_model(seed=0, hidden=a.hidden, layers=a.layers), config=config)
 losses, step_times = [], []
 for step, batch in enumerate(global_batches(a.steps, a.global_batch)):
     if step == a.hang_after:
