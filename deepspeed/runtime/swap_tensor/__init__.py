@@ -29,10 +29,10 @@ from .partitioned_optimizer_swapper import PartitionedOptimizerSwapper
 from .pipelined_optimizer_swapper import PipelinedOptimizerSwapper
 from .swap_files import SwapDirectory, clean_stale_swap_dirs
 from .swapper_factory import swapper_from_config
-from .utils import SwapBufferManager, get_sized_buffer, get_sized_buffers, swap_in_tensors, swap_out_tensors
+from .utils import MIN_SWAPPABLE_BYTES, SwapBufferManager, get_sized_buffer, get_sized_buffers, swap_in_tensors, swap_out_tensors
 
 __all__ = ["AsyncTensorSwapper", "OptimizerSwapper", "PartitionedOptimizerSwapper", "PipelinedOptimizerSwapper",
            "SubGroupSwapInfo",
            "swapper_from_config", "SwapDirectory", "clean_stale_swap_dirs", "SwapBufferManager",
            "get_sized_buffer", "get_sized_buffers", "swap_in_tensors", "swap_out_tensors", "get_aio_config",
-           "aio_handle_from_config"]
+           "aio_handle_from_config", "MIN_SWAPPABLE_BYTES"]
