@@ -220,6 +220,22 @@ KNOWN += [
     (r"TestZero3ParamPartitioningBase::.*|has no attribute 'ds_summary'", "remaining",
      "pins each layer's parameter status around its forward (ds_status, param.ds_summary()) and "
      "get_fp32_grad_partitions(): ZeRO-3 core, being rewritten by the lead (expectations in the report)"),
+    (r"test_zero_leaf_module\.py::.*test_no_grad_input_error", "deviation",
+     "DeepSpeed refuses a leaf module whose inputs do not require grad (a limit of its hooks); ours runs it"),
+    (r"test_zero_leaf_module\.py::.*test_choose_module_by_rank", "remaining",
+     "a leaf whose children run in a different order on each rank: stage 3 reduces gradients in arrival "
+     "order, so the ranks' reduce-scatters differ (ZeRO-3 core, the lead's rewrite)"),
+    (r"get_allgather_dtype|test_zero_autocast_mixed_dtype", "deviation",
+     "torch_autocast with 16-bit ZeRO-3 parameters (per-parameter comm dtypes, get_allgather_dtype): "
+     "torch_autocast keeps fp32 parameters here and is not combined with bf16/fp16"),
+    (r"TestGradientAllreduceOpTraining::test\[adamw", "out_of_scope",
+     "the harness's allclose_on_all_ranks builds a tensor on get_accelerator().current_device(), which no CPU "
+     "accelerator can (DeepSpeed's own returns the LOCAL_RANK string): fails on the real DeepSpeed on CPU too"),
+    (r"TestGradientAllreduceOpTraining::test\[muon|ns_method", "out_of_scope",
+     "DeepSpeed's Muon optimizer (ns_method, partitioned Newton-Schulz) belongs with MuP/Muon (own open issue)"),
+    (r"fp32_groups_gradients_flat", "deviation",
+     "pins BF16_Optimizer.fp32_groups_gradients_flat (the full reduced fp32 gradient held on every rank); ZeRO-1 "
+     "here reduce-scatters, each rank holds its partition (safe_get_full_grad gives the full gradient)"),
     (r"test_non_strict_load_sparse", "remaining", "load_checkpoint does not take sparse_tensor_module_names from "
      "the checkpoint (DeepSpeed replaces the engine's set with the saved one); checkpoint code has another owner"),
 ]
