@@ -127,6 +127,17 @@ def _bubble_worker(rank, world, ms, repeats, tf, tb, chunks=1):
                            chunks=chunks)
         it = _forever(torch.ones(1, 8), torch.zeros(1, 8))
         eng.train_batch(it)   # warm-up
+        # where the time goes: wall time per instruction class (summed over the batch)
+        per_instr = {}
+
+        def timed(cls, fn):
+            def run(self, **kw):
+                t0 = time.perf_counter()
+                fn(self, **kw)
+                per_instr[cls.__name__] = per_instr.get(cls.__name__, 0.0) + time.perf_counter() - t0
+            return run
+        eng._INSTRUCTIONS = {cls: timed(cls, fn) for cls, fn in type(eng)._INSTRUCTIONS.items()}
+        msgs0, ahead0 = getattr(eng.p2p, "messages_sent", 0), getattr(eng.p2p, "posted_ahead", 0)
         bubbles, waits, sched_bubbles, batch_times = [], [], [], []
         ACT["peak"] = ACT["live"]
         for _ in range(repeats):
@@ -141,6 +152,10 @@ def _bubble_worker(rank, world, ms, repeats, tf, tb, chunks=1):
             # the pipelined part only: without this stage's gradient reduction and optimizer step
             sched_bubbles.append(1 - eng.compute_time / (T - eng.reduce_step_time))
         peak_1f1b = ACT["peak"]
+        per_instr_ms = {k: round(v / repeats * 1000, 2) for k, v in per_instr.items()}
+        msgs = (getattr(eng.p2p, "messages_sent", 0) - msgs0) / repeats
+        ahead = (getattr(eng.p2p, "posted_ahead", 0) - ahead0) / repeats
+        eng._INSTRUCTIONS = type(eng)._INSTRUCTIONS
         if chunks == 1:
             eng.train_schedule_cls = GPipeSchedule
             ACT["peak"] = ACT["live"]
@@ -149,7 +164,8 @@ def _bubble_worker(rank, world, ms, repeats, tf, tb, chunks=1):
                   "batch_time": statistics.median(batch_times),
                   "recv_wait": statistics.median(waits), "bubble_excl_step": statistics.median(sched_bubbles),
                   "peak_live_1f1b": peak_1f1b,
-                  "peak_live_gpipe": ACT["peak"], "buffers_1f1b": min(p - rank, m)}
+                  "peak_live_gpipe": ACT["peak"], "buffers_1f1b": min(p - rank, m),
+                  "per_instr_ms": per_instr_ms, "messages_sent_per_batch": msgs, "receives_posted_ahead_per_batch": ahead}
     return out
 
 
@@ -194,14 +210,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["bubble", "step"], default=None)
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--no-interleaved", action="store_true")
     args = ap.parse_args()
     from tests.helpers.dist import run_distributed
     tf, tb = (0.02, 0.04) if args.quick else (0.04, 0.08)
-    ms = [1, 2, 4, 8]
+    ms_of = {p: [m for m in (1, 2, 4, 8, 16, 32) if m <= 4 * p] for p in args.stages}   # m up to 4p
     repeats = 3 if args.quick else 5
-    result = {"config": {"tf_s": tf, "tb_s": tb, "micro_batches": ms, "repeats": repeats,
-                         "activation_bytes_per_microbatch": ACT_NUMEL * 4}, "bubble": {}}
-    for p in ((2, 4) if args.only != "step" else ()):
+    result = {"config": {"tf_s": tf, "tb_s": tb, "micro_batches": ms_of, "repeats": repeats,
+                         "activation_bytes_per_microbatch": ACT_NUMEL * 4},
+              "load_avg_1min_before": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), "bubble": {}}
+    for p in (args.stages if args.only != "step" else ()):
+        ms = ms_of[p]
         res = run_distributed(_bubble_worker, world_size=p, args=(ms, repeats, tf, tb), timeout=600)
         per_m = {}
         for m in ms:
@@ -220,9 +240,15 @@ def main():
                 "peak_live_activations_1f1b": [s["peak_live_1f1b"] for s in stages],
                 "schedule_buffers_1f1b": [s["buffers_1f1b"] for s in stages],
                 "peak_live_activations_gpipe": [s["peak_live_gpipe"] for s in stages],
+                "messages_sent_per_batch": [s["messages_sent_per_batch"] for s in stages],
+                "receives_posted_ahead_per_batch": [s["receives_posted_ahead_per_batch"] for s in stages],
+                "per_instruction_ms_per_batch": [s["per_instr_ms"] for s in stages],
             }
         result["bubble"][f"p={p}"] = per_m
         result.setdefault("p2p_one_way_latency_ms", {})[f"p={p}"] = round(res[0]["latency_s"] * 1000, 3)
+        result.setdefault("load_avg_1min_after", {})[f"p={p}"] = round(os.getloadavg()[0], 2)
+        if args.no_interleaved:
+            continue
         # interleaved 1F1B, 2 chunks per stage, same work per stage
         v = 2
         res = run_distributed(_bubble_worker, world_size=p, args=(ms, repeats, tf, tb, v), timeout=600)

@@ -17,6 +17,13 @@ engine gets its own pair of tags, so messages a failed engine left behind never 
 Sends are non-blocking (``isend``) and completed by :meth:`P2P.wait_sends`; receives
 block with a timeout (``pipeline.p2p_timeout`` seconds in the config, default 300),
 after which they raise naming the peer stage. Boolean tensors travel as uint8.
+
+Over gloo, receives are posted ahead (:meth:`P2P.plan`): a receiver keeps the next
+transfer's header and tensors (in the shapes of the last transfer on that channel)
+posted, so the sender's messages go out at once and land while the receiver computes.
+Both sides know what is posted, so when the shapes change (``kind = 1``) or a stage
+aborts (``kind = 2``), the sender first sends placeholders of the old shapes into those
+receives, then the description or the abort text, then the tensors.
 """
 from __future__ import annotations
 
@@ -80,7 +87,7 @@ _ABANDONED: list = []   # receives left posted by a failed schedule: kept alive,
 class P2P:
     """Channels of one stage to its neighbours (global ranks ``prev``/``next``, None at the ends).
 
-    Receives are posted ahead: :meth:`plan` says how many receives each channel will see in
+    Receives are posted ahead (over gloo, see :meth:`plan`): :meth:`plan` says how many receives each channel will see in
     the coming schedule; the first is posted at once and each later one as soon as the one
     before it is consumed, header and tensors together (the tensors with the shapes last
     received on the channel). The sender's ``isend`` then goes out at once and the data
@@ -110,6 +117,7 @@ class P2P:
         self.descriptions_sent = 0   # how often a (new) tensor description went out
         self.messages_sent = 0
         self.posted_ahead = 0        # receives that were posted before they were needed
+        self.post_ahead = dist.is_initialized() and dist.get_backend() == "gloo"
         # a fresh pair of tags per engine: messages left over by a failed engine (abort
         # notices) can never be read by a later one
         _CHANNELS[0] += 1
@@ -146,8 +154,12 @@ class P2P:
 
     def plan(self, receives: dict) -> None:
         """``{(peer, tag): n}``: the receives each channel will see in the coming schedule;
-        the first of each is posted now."""
+        the first of each is posted now. Gloo only: NCCL runs the sends and receives between
+        two ranks in order on one stream, so a receive posted ahead of a send to the same
+        peer would hold that send back (the stages would wait on each other)."""
         self.abandon()
+        if not self.post_ahead:
+            return
         self._ahead = {k: n for k, n in receives.items() if n > 0 and k[0] is not None}
         for key in list(self._ahead):
             self._post_next(key)

@@ -1,0 +1,60 @@
+"""Pipeline p2p: with receives posted ahead, every transfer arrives intact and in order,
+also when the shapes change or a stage aborts (the sender first fills what the receiver
+posted with placeholders of the old shapes)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.helpers.dist import run_distributed
+
+
+def _body(rank, world):
+    from deepspeed.runtime.pipe.p2p import P2P, PipelineError
+    p2p = P2P(0 if rank == 1 else None, 1 if rank == 0 else None, stage_id=rank)
+    chan = (0, p2p.act_tag)
+    out = {}
+    a = torch.arange(12.0).reshape(3, 4)
+    b = torch.arange(6, dtype=torch.int64)
+
+    # the receiver posts ahead (P2P.plan); the second transfer lands in a receive posted ahead
+    if rank == 1:
+        p2p.plan({chan: 3})
+    dist.barrier()
+    if rank == 0:
+        p2p.send_tensors([a], 1, is_tuple=False)
+        p2p.send_tensors([a + 1], 1, is_tuple=False)
+    if rank == 1:
+        out["first"] = p2p.recv_tensors(0)
+        out["second"] = p2p.recv_tensors(0)   # posted when the first was consumed
+    if rank == 0:
+        p2p.wait_sends()
+    dist.barrier()
+    # the shapes change: placeholders fill the receive posted with the old shape
+    if rank == 0:
+        p2p.send_tensors([a[:2], b], 1)
+        p2p.wait_sends()
+    if rank == 1:
+        out["changed"] = p2p.recv_tensors(0)
+    dist.barrier()
+    # a failing sender: the abort notice arrives whole although a receive was posted ahead
+    if rank == 0:
+        p2p.abort("stage 0 broke on purpose")
+    if rank == 1:
+        try:
+            p2p.recv_tensors(0)
+        except PipelineError as err:
+            out["abort"] = str(err)
+        out["posted_ahead"] = p2p.posted_ahead
+    dist.barrier()
+    return out
+
+
+def test_receives_posted_ahead_stay_in_step_through_shape_changes_and_abort():
+    r0, r1 = run_distributed(_body, 2, timeout=120)
+    a = torch.arange(12.0).reshape(3, 4)
+    assert torch.equal(r1["first"], a) and torch.equal(r1["second"], a + 1)
+    x, y = r1["changed"]
+    assert torch.equal(x, a[:2]) and torch.equal(y, torch.arange(6)) and y.dtype == torch.int64
+    assert r1["abort"] == "stage 0 broke on purpose"
+    assert r1["posted_ahead"] == 3
