@@ -7,11 +7,14 @@
 # 6 minutes (TOTAL_BUDGET seconds, default 360; the last step gets whatever time is left). Files in $OUT:
 #   env.txt        machine, versions, which deepspeed is imported, step exit codes + timings
 #   gpu_tests.txt  python -m pytest tests/gpu (the CUDA-path tests, each vs plain PyTorch)
+#   zero3_host_cost.json  benchmarks/zero3_host_cost.py: plain / ZeRO-2 / ZeRO-3 / FSDP2 step time,
+#                  copies, kernel launches and CPU per step (SKIP_HOST_COST=1 skips it)
 #   gpu_step.json  benchmarks/gpu_step.py: step time / peak memory, plain vs ZeRO 0-3 (bf16)
 #   gpu_step.log   its stdout/stderr
 #   nvme_step.json benchmarks/nvme_step.py (ZeRO-2 optimizer on NVMe vs CPU memory, overlap on/off; CPU side)
 #   smoke.txt      single-process CPU-era test files re-run with DS_ACCELERATOR=cuda (informative:
-#                  failures there may be tests that build CPU tensors, not bugs - read them)
+#                  failures there may be tests that build CPU tensors, not bugs - read them;
+#                  SKIP_SMOKE=1 / SKIP_NVME=1 skip this and the NVMe step)
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-/tmp/gpu_check}"
@@ -87,6 +90,14 @@ timeout -k 10 180 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider $XDIST 
 RC_TESTS=$?
 note "tests/gpu: exit code $RC_TESTS (124 = timed out); last line: $(tail -n 1 "$OUT/gpu_tests.txt")"
 
+# ---------------------------------------------------------------- 1b. ZeRO-3 host cost vs plain / ZeRO-2 / FSDP2
+if [ "${SKIP_HOST_COST:-0}" != 1 ] && [ "$(left)" -ge 150 ]; then
+    note "benchmarks/zero3_host_cost.py: start (timeout 170s)"
+    timeout -k 10 170 python3 benchmarks/zero3_host_cost.py --device cuda --timeout 60 \
+        --out "$OUT/zero3_host_cost.json" ${HOST_COST_ARGS:-} > "$OUT/zero3_host_cost.log" 2>&1
+    note "zero3_host_cost: exit code $?; ratios: $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d.get("ratios"))' "$OUT/zero3_host_cost.json" 2>&1 | tail -n 1)"
+fi
+
 # ---------------------------------------------------------------- 2. benchmark
 BUDGET_BENCH=$(( $(left) - 60 ))
 [ "$BUDGET_BENCH" -gt 110 ] && BUDGET_BENCH=110
@@ -103,7 +114,7 @@ else
 fi
 
 # ---------------------------------------------------------------- 2b. NVMe optimizer step on this machine's disk (16 cores)
-if [ "$(left)" -ge 120 ]; then
+if [ "${SKIP_NVME:-0}" != 1 ] && [ "$(left)" -ge 120 ]; then
     note "benchmarks/nvme_step.py: start (timeout 60s)"
     DS_ACCELERATOR=cpu timeout -k 5 60 python3 benchmarks/nvme_step.py --nvme_path /tmp/nvme_step \
         > "$OUT/nvme_step.json" 2>> "$ENV_TXT"
@@ -128,7 +139,7 @@ SMOKE=(
 )
 BUDGET_SMOKE=$(( $(left) - 10 ))
 [ "$BUDGET_SMOKE" -gt 150 ] && BUDGET_SMOKE=150
-if [ "$BUDGET_SMOKE" -ge 30 ]; then
+if [ "${SKIP_SMOKE:-0}" != 1 ] && [ "$BUDGET_SMOKE" -ge 30 ]; then
     SMOKE_XDIST=""
     [ -n "$XDIST" ] && SMOKE_XDIST="-n 8"
     note "smoke (DS_ACCELERATOR=cuda): start (timeout ${BUDGET_SMOKE}s)"

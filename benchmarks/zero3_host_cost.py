@@ -19,7 +19,8 @@ and, unprofiled, ``cpu_s_per_step`` (``time.process_time`` over the timed steps,
 the rank's process, so the gloo/NCCL worker threads count) and ``wall_ms`` (median and IQR).
 
 Modes: ``plain`` (world size 1 only: the model without any wrapper), ``zero2``, ``zero3``
-(this package's engine) and ``fsdp2`` (``torch.distributed.fsdp.fully_shard`` per block and at
+(this package's engine; ``zero3_noalias``: at world size 1, with the partition aliasing off, so
+every gather pays the copy a multi-rank gather pays) and ``fsdp2`` (``torch.distributed.fsdp.fully_shard`` per block and at
 the root; same optimizer, clipping and precision). Everything runs in fresh processes per mode
 (gloo on CPU, NCCL on CUDA) under a hard timeout. Prints one JSON object; the ratios are
 ``zero3 / zero2`` for copies and ``zero3 / fsdp2`` for CPU time and wall time, from one run.
@@ -98,7 +99,12 @@ def _build(mode, cfg, dev, dtype):
             return loss
         return step, n, None
     import deepspeed
-    stage = {"zero2": 2, "zero3": 3}[mode]
+    stage = {"zero2": 2, "zero3": 3, "zero3_noalias": 3}[mode]
+    if mode == "zero3_noalias":
+        # world size 1 without the partition aliasing: every gather pays its copy, as a
+        # multi-rank gather does (what one GPU of several would see on the host side)
+        from deepspeed.runtime.zero import partitioned_param
+        partitioned_param._alias_partitions = lambda todo: todo
     ds = {"train_micro_batch_size_per_gpu": cfg["batch"], "gradient_accumulation_steps": 1,
           "gradient_clipping": 1.0, "steps_per_print": 0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
@@ -125,6 +131,7 @@ _COPY_OPS = frozenset(("aten::copy_", "aten::to", "aten::_to_copy", "aten::cat",
 def _count(prof, dev):
     c = {"collectives": 0, "copy_calls": 0, "copy_calls_all": 0, "backend_thread_copies": 0, "memcpy_calls": 0,
          "kernel_launches": 0}
+    sites = {}
     for e in prof.events():
         name = e.name
         if name.startswith("c10d::") or name == "record_param_comms":
@@ -136,18 +143,23 @@ def _count(prof, dev):
             if e.cpu_parent is None:   # no caller at all: a communication backend's worker thread
                 c["backend_thread_copies"] += 1
                 continue
-            par, top = e.cpu_parent, True
+            par, top, where = e.cpu_parent, True, None
             while par is not None:
                 if par.name.startswith("aten::"):
                     top = False
                     break
+                if where is None and ("deepspeed/" in par.name or "torch/" in par.name or "Backward" in par.name):
+                    where = par.name.split("deepspeed/")[-1][:70]
                 par = par.cpu_parent
-            c["copy_calls"] += int(top)
+            if top:
+                c["copy_calls"] += 1
+                key = f"{name} @ {where}"
+                sites[key] = sites.get(key, 0) + 1
         elif name == "cudaMemcpyAsync":
             c["memcpy_calls"] += 1
         elif name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"):
             c["kernel_launches"] += 1
-    return c
+    return c, dict(sorted(sites.items(), key=lambda kv: -kv[1])[:10])
 
 
 def _rank(rank, world, port, mode, cfg, dev_name, dtype, warmup, steps, prof_steps, out_path):
@@ -173,7 +185,8 @@ def _rank(rank, world, port, mode, cfg, dev_name, dtype, warmup, steps, prof_ste
             for _ in range(prof_steps):
                 step(x, y)
             _sync(dev)
-        counts = {k: v / prof_steps for k, v in _count(prof, dev).items()}
+        counts, sites = _count(prof, dev)
+        counts = {k: v / prof_steps for k, v in counts.items()}
         torch.distributed.barrier()
         walls, cpu0 = [], time.process_time()
         loss = None
@@ -187,7 +200,8 @@ def _rank(rank, world, port, mode, cfg, dev_name, dtype, warmup, steps, prof_ste
         q = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0]] * 3
         res = dict(counts, cpu_s_per_step=round(cpu, 5), wall_ms=round(statistics.median(ms), 3),
                    wall_iqr_ms=round(q[2] - q[0], 3), params=n, loss_last=float(loss.detach().float()),
-                   peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2 ** 30, 3) if dev.type == "cuda" else None)
+                   peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2 ** 30, 3) if dev.type == "cuda" else None,
+                   copy_sites={k: v / prof_steps for k, v in sites.items()})
         if engine is not None:
             engine.destroy()
         torch.distributed.destroy_process_group()
@@ -229,6 +243,7 @@ def run_mode(mode, a, cfg, timeout):
     keys = [k for k in ranks[0] if isinstance(ranks[0][k], (int, float)) and ranks[0][k] is not None]
     res = {k: round(statistics.mean(x[k] for x in ranks), 5) for k in keys}
     res["cpu_s_per_step_per_rank"] = [x["cpu_s_per_step"] for x in ranks]
+    res["copy_sites_rank0"] = ranks[0].get("copy_sites")   # where the top-level copies come from
     return res
 
 
@@ -248,7 +263,8 @@ def main(argv=None):
     a.world = a.world or (1 if a.device == "cuda" else 2)
     a.size = a.size or ("full" if a.device == "cuda" else "small")
     a.dtype = a.dtype or ("bf16" if a.device == "cuda" else "fp32")
-    modes = a.modes or (["plain", "zero2", "zero3", "fsdp2"] if a.world == 1 else ["zero2", "zero3", "fsdp2"])
+    modes = a.modes or (["plain", "zero2", "zero3", "zero3_noalias", "fsdp2"] if a.world == 1
+                        else ["zero2", "zero3", "fsdp2"])
     cfg = SIZES[a.size]
     res = {"benchmark": "zero3_host_cost", "device": a.device, "world": a.world, "size": a.size, "model": cfg,
            "dtype": a.dtype, "steps": a.steps, "prof_steps": a.prof_steps, "torch": torch.__version__,
@@ -271,6 +287,8 @@ def main(argv=None):
         "wall_zero3_over_fsdp2": ratio("zero3", "fsdp2", "wall_ms"),
         "wall_zero3_over_plain": ratio("zero3", "plain", "wall_ms"),
         "wall_zero3_over_zero2": ratio("zero3", "zero2", "wall_ms"),
+        "wall_zero3_noalias_over_plain": ratio("zero3_noalias", "plain", "wall_ms"),
+        "wall_zero3_noalias_over_fsdp2": ratio("zero3_noalias", "fsdp2", "wall_ms"),
     }
     text = json.dumps(res, indent=1)
     print(text)

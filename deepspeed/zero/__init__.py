@@ -7,7 +7,8 @@ The implementation lives in :mod:`deepspeed.runtime.zero`.
 """
 from ..runtime.zero.partition_parameters import (GatheredParameters, Init, ZeroParamStatus,  # noqa: F401
                                                  register_external_parameter, unregister_external_parameter)
+from ..runtime.zero.mics import MiCS_Init  # noqa: F401
 from ..runtime.zero.stage3_comm import ZeroRankMismatchError  # noqa: F401
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
-           "unregister_external_parameter", "ZeroRankMismatchError"]
+           "unregister_external_parameter", "ZeroRankMismatchError", "MiCS_Init"]

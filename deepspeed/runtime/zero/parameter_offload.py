@@ -254,7 +254,7 @@ class ParameterCoordinator:
         wait_available(params)
         what = f"module '{self.names.get(id(module), type(module).__name__)}' " \
                f"({'forward' if phase == FWD else 'backward'})"
-        if gather_params(params, what=what, alias=True):
+        if gather_params(params, what=what, alias=True, secondary=True):
             self.gathers += 1
         for p in params:
             self.live[id(p)] = p
@@ -273,7 +273,7 @@ class ParameterCoordinator:
         if p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
             name = self.names.get(id(module), type(module).__name__)
             if gather_params([p], what=f"a parameter read in module '{name}' outside its own module's forward",
-                             alias=True):
+                             alias=True, secondary=True):
                 self.gathers += 1
         wait_available([p])
         self.live[id(p)] = p
@@ -315,7 +315,7 @@ class ParameterCoordinator:
         if self.nvme:   # partitions still on NVMe are read ahead (_read_ahead) and gathered when needed
             todo = [p for p in todo if getattr(p._z3, "swapper", None) is None or p._z3.swapper.is_available(p)]
         if todo:
-            h = gather_params(todo, async_op=True, what="prefetch of upcoming modules", alias=True)
+            h = gather_params(todo, async_op=True, what="prefetch of upcoming modules", alias=True, secondary=True)
             self.prefetch_handles = [x for x in self.prefetch_handles if not x.done] + ([h] if h is not None else [])
             self.prefetches += 1
             for p in todo:

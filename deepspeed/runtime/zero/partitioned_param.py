@@ -59,6 +59,12 @@ class PartitionSpec:
         # AsyncPartitionedParameterSwapper when partitions live on NVMe (offload_param.device: nvme);
         # convert_param hands new partitions to it, gather_params/resident_partitions bring them in.
         self.swapper = None
+        # hpZ (zero_hpz_partition_size): a CheckedComm over this rank's node-sized group. Each
+        # primary gather also leaves the rank its 1/h slice of the parameter (the secondary
+        # partition); later gathers in the same forward/backward read those inside the group.
+        # ``version`` moves at every forward start: secondaries of an older version are stale.
+        self.sec_comm = None
+        self.version = 0
 
     @property
     def world_size(self) -> int:
@@ -172,9 +178,15 @@ def set_partition_from_full(p, full: torch.Tensor) -> None:
         p.ds_tensor[hi - lo:].zero_()
 
 
+def _secondary_size(p) -> int:
+    return partition_size(p.ds_numel, p._z3.sec_comm.world_size)
+
+
 def _full_buffer(p) -> torch.Tensor:
     spec = p._z3
     need = p.ds_tensor.numel() * spec.world_size
+    if spec.sec_comm is not None:   # also holds the secondary layout (h slices, padded)
+        need = max(need, _secondary_size(p) * spec.sec_comm.world_size)
     if p._z3_full is None:
         p._z3_full = torch.empty(need, dtype=p.ds_tensor.dtype, device=spec.device)
     else:
@@ -188,8 +200,9 @@ def _full_buffer(p) -> torch.Tensor:
 class GatherHandle:
     """An all-gather of several parameters; :meth:`wait` makes them AVAILABLE."""
 
-    def __init__(self, params, works, keep, swapped=(), flat=None):
+    def __init__(self, params, works, keep, swapped=(), flat=None, primary=True):
         self.params = params
+        self.primary = primary  # gathered from the primary partitions (not hpZ secondaries)
         self.works = works
         self.keep = keep       # device copies of host partitions, alive until the gather ends
         self.swapped = swapped  # (swapper, params) whose NVMe partitions are held until the gather ends
@@ -218,6 +231,8 @@ class GatherHandle:
             p.data = p._z3_full[:p.ds_numel].view(p.ds_shape)
             p.ds_status = ZeroParamStatus.AVAILABLE
             p._z3_handle = None
+            if self.primary and p._z3.sec_comm is not None:
+                _keep_secondary(p)
         self.done = True
         self.keep = None
 
@@ -253,6 +268,28 @@ def _pool_batches(sw, params):
     return batches
 
 
+def _keep_secondary(p) -> None:
+    """hpZ: keep this rank's slice of the just-gathered ``p`` for gathers inside its group."""
+    sec = p._z3.sec_comm
+    s2 = _secondary_size(p)
+    buf = p.__dict__.get("_z3_sec")
+    if buf is None or buf.numel() != s2:
+        buf = p._z3_sec = torch.empty(s2, dtype=p.ds_tensor.dtype, device=p._z3.device)
+    lo = sec.rank * s2
+    hi = min(p.ds_numel, lo + s2)
+    with torch.no_grad():
+        if hi > lo:
+            buf[:hi - lo].copy_(p._z3_full[lo:hi])
+        if hi - lo < s2:
+            buf[max(0, hi - lo):].zero_()
+    p._z3_sec_version = p._z3.version
+
+
+def _secondary_valid(p) -> bool:
+    return (p._z3.sec_comm is not None and p.__dict__.get("_z3_sec") is not None
+            and p.__dict__.get("_z3_sec_version") == p._z3.version)
+
+
 def _flat_input(parts) -> torch.Tensor:
     """``parts`` as one flat tensor: a view when they lie back to back in one storage (the
     partitions of parameters adjacent in a master chunk), else one concatenation."""
@@ -283,12 +320,14 @@ def _alias_partitions(todo) -> list:
     return rest
 
 
-def gather_params(params, async_op: bool = False, what: str = "", alias: bool = False):
+def gather_params(params, async_op: bool = False, what: str = "", alias: bool = False, secondary: bool = False):
     """Start (and unless ``async_op``, finish) gathering every NOT_AVAILABLE param in ``params``.
 
     Collective: every rank of the parameters' group must call it with the same params.
     ``alias``: the training schedule's gathers (not GatheredParameters, whose callers may keep
     what they read): with one rank, parameters become views of their partitions.
+    ``secondary``: the schedule's gathers inside one forward/backward: hpZ secondary partitions
+    of the current version are gathered inside the node group.
     Returns the handle (None when nothing needed gathering)."""
     todo, seen = [], set()
     for p in params:
@@ -299,6 +338,16 @@ def gather_params(params, async_op: bool = False, what: str = "", alias: bool = 
         todo = _alias_partitions(todo)
     if not todo:
         return None
+    if secondary and any(_secondary_valid(p) for p in todo):   # hpZ: these gather inside the node group
+        sec = [p for p in todo if _secondary_valid(p)]
+        rest = [p for p in todo if not _secondary_valid(p)]
+        handles = [_gather_secondary(sec, async_op, what)]
+        if rest:
+            handles.append(gather_params(rest, async_op, what, alias))
+        h = _MultiHandle(handles)
+        if not async_op:
+            h.wait()
+        return h
     comm = todo[0]._z3.comm
     if any(p._z3.comm is not comm for p in todo):  # one collective group per call
         handles = [gather_params([p for p in todo if p._z3.comm is c], async_op, what)
@@ -351,6 +400,42 @@ def gather_params(params, async_op: bool = False, what: str = "", alias: bool = 
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         raise
     handle = GatherHandle(todo, works, keep, held, flat)
+    for p in todo:
+        p._z3_handle = handle
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def _gather_secondary(todo, async_op: bool, what: str):
+    """hpZ: all-gather ``todo`` from their secondary partitions over the node group."""
+    groups = {}
+    for p in todo:
+        groups.setdefault(id(p._z3.sec_comm), (p._z3.sec_comm, []))[1].append(p)
+    if len(groups) > 1:
+        return _MultiHandle([_gather_secondary(ps, async_op, what) for _, ps in groups.values()])
+    comm = todo[0]._z3.sec_comm
+    sizes = [p._z3_sec.numel() for p in todo]
+    comm.check(KIND_GATHER, [p.ds_id for p in todo], sum(sizes) * comm.world_size,
+               (what + " from hpZ secondary partitions") if what else comm.describe(todo))
+    for p in todo:
+        _full_buffer(p)
+        p.ds_status = ZeroParamStatus.INFLIGHT
+    try:
+        if len(todo) == 1:
+            p = todo[0]
+            works = [comm.all_gather_into(p._z3_full[:sizes[0] * comm.world_size], p._z3_sec, async_op=async_op)]
+            flat, keep = None, []
+        else:
+            src = torch.cat([p._z3_sec for p in todo])
+            out = torch.empty(comm.world_size * src.numel(), dtype=src.dtype, device=src.device)
+            works = [comm.all_gather_into(out, src, async_op=async_op)]
+            flat, keep = (out, sizes), [src]
+    except BaseException:
+        for p in todo:
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        raise
+    handle = GatherHandle(todo, works, keep, (), flat, primary=False)
     for p in todo:
         p._z3_handle = handle
     if not async_op:

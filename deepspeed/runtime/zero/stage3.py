@@ -63,10 +63,19 @@ def _refuse_unsupported(z) -> None:
         raise DeepSpeedConfigError("zero_optimization.zero_quantized_nontrainable_weights (ZeRO++ frozen weights kept "
                                    "quantized in memory) is not supported by this deepspeed; set it to false "
                                    "(zero_quantized_weights and zero_quantized_gradients are supported).")
-    if z.zero_hpz_partition_size > 1 or z.mics_shard_size > 0:
-        raise DeepSpeedConfigError("zero_optimization.zero_hpz_partition_size > 1 (hpZ) and mics_shard_size > 0 "
-                                   "(MiCS) are not supported by this deepspeed; ZeRO-3 partitions over the whole "
-                                   "data-parallel group.")
+    if z.mics_shard_size > 0 and z.zero_hpz_partition_size > 1:
+        raise DeepSpeedConfigError("zero_optimization: mics_shard_size and zero_hpz_partition_size > 1 cannot be "
+                                   "combined (both give gathers a node-sized group); set one of them.")
+
+
+def _node_groups(comm, size: int, key: str):
+    """The CheckedComm over this rank's group of ``size`` consecutive data-parallel ranks.
+    Collective: every rank creates every group, in the same order."""
+    if size <= 1:
+        return None
+    from .mics import shard_and_replica_groups
+    shard, _ = shard_and_replica_groups(comm.group, size, key)
+    return comm_for(shard) if shard is not None else comm
 
 
 class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, TrainingStrategy,  # noqa: N801
@@ -91,7 +100,17 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         self.fp16, self.bf16 = cfg.fp16_enabled, cfg.bfloat16_enabled
         self.dtype = torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
         self.clip = cfg.gradient_clipping
-        self.comm = wrap_comm(comm_for(ctx.dp_group), z)   # ZeRO++ qwZ/qgZ collectives when configured
+        self.comm = comm_for(ctx.dp_group)
+        # MiCS (mics_shard_size): parameters, gradients and optimizer state are partitioned over
+        # a shard group of that many ranks and replicated across the groups; gradients are
+        # reduce-scattered in the shard group, then all-reduced across the replicas.
+        self.replica_comm = None
+        if z.mics_shard_size > 0:
+            from .mics import shard_and_replica_groups
+            shard, replica = shard_and_replica_groups(self.comm.group, z.mics_shard_size, "mics_shard_size")
+            if shard is not None:
+                self.comm, self.replica_comm = comm_for(shard), comm_for(replica)
+        self.comm = wrap_comm(self.comm, z)   # ZeRO++ qwZ/qgZ collectives when configured
         off_param = z.offload_param_device == "cpu"
         off_opt = z.offload_optimizer_device in ("cpu", "nvme")   # nvme: updated in host memory (stage3_nvme)
         nvme_opt = z.offload_optimizer_device == "nvme"
@@ -101,6 +120,10 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         if nvme_param:
             from .stage3_nvme_params import param_swapper_for
             self.spec.swapper = param_swapper_for(module, z.offload_param, cfg.model.aio, self.dtype)
+        # hpZ: a secondary partition per node-sized group; backward gathers stay inside it
+        self.spec.sec_comm = _node_groups(self.comm, z.zero_hpz_partition_size, "zero_hpz_partition_size")
+        if self.spec.sec_comm is self.comm:
+            self.spec.sec_comm = None   # one node: the primary gather already stays inside it
         self.persistent = []
         self._partition_module(z)
         grad_dtype = _DT.get(cfg.model.data_types.grad_accum_dtype or "", self.dtype)
@@ -125,7 +148,8 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
                                    comm_dtype=_comm_dtype(cfg.model.communication_data_type),
                                    predivide=cfg.model.gradient_predivide_factor,
                                    max_columns=sum(c.numel for c in self.parts.chunks),
-                                   sink_many=self.parts.accumulate_many, order=self.parts.slot_order)
+                                   sink_many=self.parts.accumulate_many, order=self.parts.slot_order,
+                                   replica=self.replica_comm)
         self.coordinator = ParameterCoordinator(module, z.prefetch_bucket_size, z.max_live_parameters,
                                                 z.max_reuse_distance)
         seen = set()
@@ -247,6 +271,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
 
     # -- forward / backward ----------------------------------------------------------------
     def pre_forward(self) -> None:
+        self.spec.version += 1   # hpZ: a forward gathers from the primary partitions (they may have changed)
         if self._persistent_stale:   # set_local_fp32_param changed a parameter kept whole
             self._persistent_stale = False
             self.refresh_persistent()
@@ -343,6 +368,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
                                "backward outside no_sync().")
         self.reducer.flush()
         self.coordinator.release_all()
+        self.spec.version += 1   # hpZ: the partitions change here; secondaries are stale from now on
         sq = self._global_sq_norm()
         total = math.sqrt(sq) if sq >= 0 and math.isfinite(sq) else float("nan") if math.isnan(sq) else float("inf")
         scale = self.scaler.loss_scale if self.fp16 else 1.0
@@ -374,6 +400,8 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
               if self.parts.owns(p) and p.ds_numel > 0]
         limit = max(1, self.ctx.config.zero.allgather_bucket_size)
         ws = self.comm.world_size
+        if ws == 1:   # the partition is the whole parameter: keep the parameter a view of it, no copy
+            ps = [p for p in ps if not self._alias_whole(p)]
         # evenly split parameters first: their batches copy out in one fused operation
         ps.sort(key=lambda p: p.ds_numel != ws * p.ds_tensor.numel())
         i = 0
@@ -384,6 +412,17 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
                 n += ps[i].ds_tensor.numel() * ws
                 i += 1
             self._gather_whole(batch)
+
+    def _alias_whole(self, p) -> bool:
+        """One rank: make ``p.data`` (kept whole) a view of its partition, which the optimizer
+        updates in place. False where the partition lives elsewhere (offloaded) or differs."""
+        part = p.ds_tensor
+        if (part.device != self.spec.device or part.dtype != p.dtype or part.numel() < p.ds_numel
+                or not part.untyped_storage().nbytes()):
+            return False
+        if p.data.data_ptr() != part.data_ptr() or tuple(p.data.shape) != tuple(p.ds_shape):
+            p.data = part[:p.ds_numel].view(p.ds_shape)
+        return True
 
     @torch.no_grad()
     def _gather_whole(self, batch) -> None:
@@ -509,6 +548,10 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
                 persistent_full += p.numel() * p.element_size()
         out["frozen_partitions"] = other
         out["persistent_full_params"] = persistent_full
+        if self.spec.sec_comm is not None:   # hpZ: 1/h of every partitioned parameter, kept between gathers
+            out["hpz_secondary_partitions"] = sum(
+                -(-p.ds_numel // self.spec.sec_comm.world_size) * p.ds_tensor.element_size()
+                for p in {id(q): q for q in self.module.parameters()}.values() if not p.ds_persist)
         opt = 0
         if self.inner is not None:
             for st in self.inner.state.values():

@@ -43,6 +43,9 @@ def stage3_rank_state(strategy, dp_rank: int, mp_rank: int, mapped: bool = False
     opt = strategy.inner
     parts = strategy.parts
     params, group_scalars = {}, [dict() for _ in parts.group_hparams]
+    # MiCS: the replicas hold the same partitions; the first shard group writes the fragments
+    replica = getattr(strategy, "replica_comm", None)
+    writes = replica is None or replica.rank == 0
     for ci, c in enumerate(parts.chunks):
         master, per_elem, scalars = parts.chunk_state(ci, opt, mapped=mapped)   # from the swap files with NVMe
         if scalars and not group_scalars[c.group]:
@@ -50,7 +53,7 @@ def stage3_rank_state(strategy, dp_rank: int, mp_rank: int, mapped: bool = False
         for p, off in zip(c.params, c.offsets):
             lo, hi = owned_range(p)
             k = hi - lo
-            if k <= 0:
+            if k <= 0 or not writes:
                 continue
             params[names[id(p)]] = {"shape": list(p.ds_shape), "fragments": [{
                 "offset": lo, "numel": k, "fp32": master[off:off + k],

@@ -89,6 +89,8 @@ class CheckedComm:
         self.list_reduce_scatter = self.active and dist.get_backend(group) == "gloo"
         self.seq = 0
         self.names = {}        # ds_id -> parameter name, for error messages
+        self.gather_calls = 0  # parameter all-gathers issued on this group, and their output elements
+        self.gather_elems = 0
 
     def __deepcopy__(self, memo):  # process groups cannot be copied; a copied model shares them
         return self
@@ -140,6 +142,8 @@ class CheckedComm:
 
     # -- collectives (call check() first) --------------------------------------------------
     def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        self.gather_calls += 1
+        self.gather_elems += out.numel()
         if not self.active:
             out.copy_(inp.reshape(out.shape))
             return None

@@ -34,8 +34,9 @@ class _Bucket:
 
 class GradReducer:
     def __init__(self, comm: CheckedComm, bucket_size: int, sink, *, overlap: bool = True, comm_dtype=None,
-                 predivide: float = 1.0, max_columns: int = None, sink_many=None, order=None):
+                 predivide: float = 1.0, max_columns: int = None, sink_many=None, order=None, replica=None):
         self.comm = comm
+        self.replica = replica               # MiCS: the reduced slices are all-reduced across replicas
         self.cap = max(1, int(bucket_size) // comm.world_size)
         if max_columns is not None:          # no bucket larger than what all trainable params need
             self.cap = max(1, min(self.cap, int(max_columns)))
@@ -111,8 +112,11 @@ class GradReducer:
                         self.comm.describe(params))
         if self.predivide != 1.0:
             b.buf.div_(self.predivide)
-        b.out = torch.empty(b.fill, dtype=b.buf.dtype, device=b.buf.device)
-        b.work = self.comm.reduce_scatter_rows(b.out, b.buf, async_op=self.overlap)
+        if self.comm.world_size == 1:     # nothing to reduce: the bucket is this rank's slice
+            b.out = b.buf.view(-1)
+        else:
+            b.out = torch.empty(b.fill, dtype=b.buf.dtype, device=b.buf.device)
+            b.work = self.comm.reduce_scatter_rows(b.out, b.buf, async_op=self.overlap)
         self.inflight.append(b)
         self.launches += 1
         self._account()
@@ -133,6 +137,11 @@ class GradReducer:
         if b.work is not None:
             b.work.wait()
         scale = self.predivide / self.comm.world_size
+        if self.replica is not None:
+            if b.out.data_ptr() == b.buf.data_ptr():   # one rank per shard: out is the laid-out input
+                b.out = b.out.clone()
+            self.replica.all_reduce(b.out)
+            scale /= self.replica.world_size
         if scale != 1.0:
             b.out.mul_(scale)
         if self.sink_many is not None:
