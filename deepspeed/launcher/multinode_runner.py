@@ -169,15 +169,28 @@ class PDSHRunner(MultiNodeRunner):
         argv.append(self.remote_shell_command(self.launch_argv("%n")))
         return [NodeCommand("pdsh", argv, env)]
 
+    def kill_command(self) -> List[str]:
+        """``pdsh -w <hosts> pkill -f '<this job's node launchers>'`` (DeepSpeed's kill_cmd).
+
+        pdsh cannot stop remote commands itself: killing it (or its ssh clients) leaves the
+        node launchers and ranks running on the other hosts. The pattern is a regular
+        expression matching ``deepspeed.launcher.launch --world_info=<this job's>``; its first
+        letter is bracketed so it does not match the remote shell running pkill."""
+        pattern = "[d]" + _ere_escape(f"eepspeed.launcher.launch --world_info={self.world_info_base64}")
+        return ["pdsh", "-S", "-f", "1024", "-w", ",".join(self.resources)] + self.launcher_args + \
+            ["pkill -f " + shlex.quote(pattern)]
+
     def get_cmd(self, environment, active_resources=None):
         """DeepSpeed's shape: ``(cmd, kill_cmd, environment)``; ``kill_cmd`` stops the
         per-node launchers of this job (pdsh runs ``pkill -f`` on every node)."""
         cmd = self.node_commands(environment, active_resources)[0]
         environment.update(cmd.env)
-        pattern = f"deepspeed.launcher.launch --world_info={self.world_info_base64}"
-        kill = ["pdsh", "-S", "-f", "1024", "-w", ",".join(self.resources)] + self.launcher_args + \
-            ["pkill -f " + shlex.quote(pattern)]
-        return cmd.argv, kill, environment
+        return cmd.argv, self.kill_command(), environment
+
+
+def _ere_escape(text: str) -> str:
+    """``text`` as a POSIX extended regular expression matching itself (base64 has ``+``)."""
+    return "".join("\\" + c if c in ".[]()*+?{}|^$\\" else c for c in text)
 
 
 class SSHRunner(MultiNodeRunner):

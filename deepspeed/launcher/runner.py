@@ -243,20 +243,34 @@ def multinode_commands(args, environ: Optional[Dict[str, str]] = None):
 def _launch_multinode(args) -> int:
     from ..utils.logging import logger
     from .supervisor import Member, Supervisor
+    first = next(iter(resolve_resources(args)))
+    if args.launcher in (PDSH_LAUNCHER, SSH_LAUNCHER) and not args.no_ssh_check:
+        _check_ssh(args, first)
     if not args.master_addr:
-        first = next(iter(resolve_resources(args)))
         args.master_addr = first_host_address(args, first)
         logger.info(f"using IP address {args.master_addr} of node {first} as --master_addr")
     runner, cmds = multinode_commands(args)
     if not runner.backend_exists():
         raise ResourceError(f"--launcher {args.launcher} needs {runner.tool!r}, which is not on PATH; "
                             f"install it or choose another of {', '.join(MULTINODE_LAUNCHERS)}")
-    if args.launcher in (PDSH_LAUNCHER, SSH_LAUNCHER) and not args.no_ssh_check:
-        _check_ssh(args, next(iter(runner.resources)))
     for c in cmds:
         logger.info(f"{c.label}: {shlex.join(c.argv)}")
     members = [Member(label=c.label, argv=c.argv, env=c.env, stdin_pipe=c.stdin_pipe) for c in cmds]
-    return Supervisor(members, logger).run()
+    code = Supervisor(members, logger).run()
+    if code != 0 and hasattr(runner, "kill_command"):
+        _sweep_nodes(runner.kill_command(), cmds[0].env, logger)
+    return code
+
+
+def _sweep_nodes(kill_cmd: List[str], env: Dict[str, str], logger) -> None:
+    """After a failed or interrupted pdsh job: stop this job's node launchers on every host
+    (DeepSpeed's kill_cmd). Stopping pdsh does not stop the remote commands; each node
+    launcher stops its ranks on SIGTERM."""
+    logger.info(f"stopping this job's node launchers on every host: {shlex.join(kill_cmd)}")
+    try:
+        subprocess.run(kill_cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        logger.error(f"could not run {kill_cmd[0]!r} to stop the node launchers: {err}")
 
 
 def _launch_elastic(args, active) -> int:

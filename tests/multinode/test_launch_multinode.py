@@ -98,9 +98,10 @@ def test_include_exclude_and_master_addr(clean_bed, tmp_path, job_env):
     assert {r["env"]["MASTER_ADDR"] for r in recs} == {"worker-1"}
 
 
-def _kill_remote_rank(bed, tmp_path, env, launcher, slots, hang_after):
-    """Start a job that idles in all-reduces, SIGKILL the last rank (on worker-1), and
-    return (exit code, seconds from the kill to the launcher's exit, output)."""
+def _kill_remote_rank(bed, tmp_path, env, launcher, slots, hang_after, interrupt=False):
+    """Start a job that idles in all-reduces, SIGKILL the last rank (on worker-1) (or, with
+    ``interrupt``, send SIGINT to the launcher as Ctrl-C does), and return (exit code, seconds
+    from the kill to the launcher's exit, output)."""
     hostfile = bed.hostfile(str(tmp_path / "hostfile"), slots=slots, hosts=["worker-0", "worker-1"])
     argv = [DEEPSPEED, "--hostfile", hostfile, "--launcher", launcher, TRAIN, "--out", str(tmp_path),
             "--hang_after", str(hang_after)]
@@ -116,7 +117,10 @@ def _kill_remote_rank(bed, tmp_path, env, launcher, slots, hang_after):
         victim = int((tmp_path / f"ready{world - 1}").read_text())
         assert victim in bed.pids("worker-1"), "the last rank should run on worker-1"
         t0 = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
+        if interrupt:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(victim, signal.SIGKILL)
         out, _ = proc.communicate(timeout=60)
         return proc.returncode, time.monotonic() - t0, out
     finally:
@@ -152,5 +156,18 @@ def test_remote_rank_killed_stops_the_job_2x2(clean_bed, tmp_path, job_env, laun
         _check_teardown(clean_bed, code, elapsed, out, 3)
         assert ("worker-1: ssh exited with exit code 137" if launcher == "pdsh"
                 else "node 1 (worker-1) exited with code 137") in out, out[-6000:]
+    left = clean_bed.wait_quiet(10)
+    assert not left, f"processes left per host: {left}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["pdsh", "ssh", "openmpi"])
+def test_interrupted_launcher_leaves_nothing(clean_bed, tmp_path, job_env, launcher):
+    """Ctrl-C on the head node stops every rank on every host. (pdsh cannot stop remote
+    commands: the launcher then runs DeepSpeed's kill command, pkill of this job's node
+    launchers through pdsh; before that fix the ranks on both hosts kept running.)"""
+    code, elapsed, out = _kill_remote_rank(clean_bed, tmp_path, job_env, launcher, 1, hang_after=0, interrupt=True)
+    assert code == 130, out[-6000:]                      # 128 + SIGINT
+    assert "launcher received SIGINT" in out, out[-6000:]
     left = clean_bed.wait_quiet(10)
     assert not left, f"processes left per host: {left}"
