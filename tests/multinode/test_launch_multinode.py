@@ -11,8 +11,8 @@ testbed.py), started on worker-0 as a user would on the head node.
 * a rank killed on a remote node brings the whole job down with a non-zero exit within
   10 s, the failing host and rank named, and no process left on any host.
 
-``make test`` runs one training job (pdsh, 2 nodes x 1 process) and one failure (ssh); the
-rest (other runners, 2 x 2, host selection) is marked slow.
+``make test`` runs one training job (pdsh, 2 nodes x 1 process: ~15-25 s on 2 shared cores);
+the rest (other runners, 2 x 2, host selection, failures, Ctrl-C) is marked slow.
 """
 import json
 import os
@@ -138,6 +138,7 @@ def _check_teardown(bed, code, elapsed, out, failed_rank):
     assert not left, f"processes left per host: {left}"
 
 
+@pytest.mark.slow
 def test_ssh_remote_rank_killed_stops_the_job(clean_bed, tmp_path, job_env):
     code, elapsed, out = _kill_remote_rank(clean_bed, tmp_path, job_env, "ssh", 1, hang_after=0)
     _check_teardown(clean_bed, code, elapsed, out, 1)
