@@ -165,6 +165,7 @@ def _count(prof, dev):
 def _rank(rank, world, port, mode, cfg, dev_name, dtype, warmup, steps, prof_steps, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    os.environ.setdefault("DEEPSPEED_LOG_LEVEL", "WARNING")   # stdout carries the JSON only
     res = {}
     try:
         dev = torch.device(dev_name, rank) if dev_name == "cuda" else torch.device("cpu")

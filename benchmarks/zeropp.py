@@ -1,11 +1,14 @@
 """ZeRO++ (qwZ / qgZ) vs plain ZeRO stage 3: bytes on the wire and step time, one run.
 
 World size 4 (gloo, one process per rank, 1 thread each), BenchModel (d=256, 4 blocks,
-~2.1 M parameters), every parameter gathered (stage3_param_persistence_threshold 0). Bytes
+~2.1 M parameters), every parameter gathered (stage3_param_persistence_threshold 0), in forward
+and again in backward (nothing kept between them: max_live_parameters/reuse distance 0). Bytes
 are the inputs rank 0 hands to torch.distributed's all-gather / reduce-scatter / all-to-all
 during the timed steps (stage 3's small header exchanges are not included), per step.
-hpZ and MiCS are not built. Prints one JSON object; ratios are against plain stage 3
-measured in the same run.
+hpZ (``zero_hpz_partition_size`` 2) and MiCS (``mics_shard_size`` 2) run as 2 simulated nodes
+of 2 ranks: ``gather_bytes_in_group_per_step`` is the part of the all-gather bytes that stays
+inside a 2-rank group (the rest crosses "nodes"). Prints one JSON object; ratios are against
+plain stage 3 measured in the same run.
 """
 from __future__ import annotations
 
@@ -25,13 +28,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import BenchModel, n_params  # noqa: E402
 
 VARIANTS = {"stage3": {}, "qwZ": {"zero_quantized_weights": True}, "qgZ": {"zero_quantized_gradients": True},
-            "qwZ+qgZ": {"zero_quantized_weights": True, "zero_quantized_gradients": True}}
+            "qwZ+qgZ": {"zero_quantized_weights": True, "zero_quantized_gradients": True},
+            "hpZ": {"zero_hpz_partition_size": 2}, "MiCS": {"mics_shard_size": 2}}
 
 
 class _Counter:
     def __init__(self):
         import deepspeed.comm.comm as c
-        self.bytes = {"all_gather": 0, "reduce": 0}
+        self.bytes = {"all_gather": 0, "reduce": 0, "all_gather_in_group": 0, "all_reduce": 0}
+        oar = dist.all_reduce
         og, ors_t, ors, oa = c._all_gather_single, c._reduce_scatter_single, dist.reduce_scatter, dist.all_to_all_single
 
         def nb(t):
@@ -39,7 +44,15 @@ class _Counter:
 
         def g(out, inp, *a, **k):
             self.bytes["all_gather"] += nb(inp)
+            grp = k.get("group", a[0] if a else None)
+            if grp is not None and dist.get_world_size(grp) < dist.get_world_size():
+                self.bytes["all_gather_in_group"] += nb(inp)
             return og(out, inp, *a, **k)
+
+        def ar(t, *a, **k):   # MiCS: the cross-replica all-reduce of the reduced slices
+            if t.is_floating_point() and t.numel() > 4:
+                self.bytes["all_reduce"] += nb(t)
+            return oar(t, *a, **k)
 
         def rs_t(out, inp, *a, **k):
             self.bytes["reduce"] += nb(inp)
@@ -54,6 +67,7 @@ class _Counter:
             return oa(out, inp, *a, **k)
 
         c._all_gather_single, c._reduce_scatter_single, dist.reduce_scatter, dist.all_to_all_single = g, rs_t, rs, a2a
+        dist.all_reduce = ar
 
 
 def run_variant(rank, world, extra, counter, warmup, steps):
@@ -61,8 +75,11 @@ def run_variant(rank, world, extra, counter, warmup, steps):
     torch.manual_seed(0)
     model = BenchModel(d=256, layers=4)
     numel = n_params(model)
+    # every parameter gathered in forward and again in backward, as for a model larger than
+    # stage3_max_live_parameters (on this small model the defaults keep them between the two)
     cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {
-        "stage": 3, "stage3_param_persistence_threshold": 0, **extra}}
+        "stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+        "stage3_max_live_parameters": 0, "stage3_prefetch_bucket_size": 0, **extra}}
     eng, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
                                         config=cfg)
     g = torch.Generator().manual_seed(1 + rank)
@@ -82,7 +99,10 @@ def run_variant(rank, world, extra, counter, warmup, steps):
     from deepspeed.runtime.zero.zeropp import zeropp_stats
     st = zeropp_stats(eng.strategy.comm)
     out = {"gather_bytes_per_step": counter.bytes["all_gather"] / steps,
-           "reduce_bytes_per_step": counter.bytes["reduce"] / steps, "step_s": round(t.item(), 5),
+           "gather_bytes_in_group_per_step": counter.bytes["all_gather_in_group"] / steps,
+           "reduce_bytes_per_step": counter.bytes["reduce"] / steps,
+           "cross_replica_all_reduce_bytes_per_step": counter.bytes["all_reduce"] / steps,
+           "step_s": round(t.item(), 5),
            "loss_first_last": [round(losses[0], 5), round(losses[-1], 5)], "n_params": numel}
     if st is not None:
         out["weight_error_bound"] = st.weight_error_bound
@@ -94,6 +114,7 @@ def run_variant(rank, world, extra, counter, warmup, steps):
 def worker(rank, world, port, warmup, steps, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    os.environ.setdefault("DEEPSPEED_LOG_LEVEL", "WARNING")   # stdout carries the JSON only
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     counter = _Counter()
@@ -126,7 +147,7 @@ def main():
             r[f"{k}_bytes_ratio_vs_stage3"] = round(r[f"{k}_bytes_per_step"] / base[f"{k}_bytes_per_step"], 4)
         r["step_time_ratio_vs_stage3"] = round(r["step_s"] / base["step_s"], 3)
     print(json.dumps({"world_size": a.world, "backend": "gloo", "dtype": "fp32", "steps": a.steps,
-                      "not_built": ["hpZ", "MiCS"], "results": res}, indent=1))
+                      "loadavg": os.getloadavg(), "results": res}, indent=1))
 
 
 if __name__ == "__main__":

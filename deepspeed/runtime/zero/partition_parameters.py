@@ -252,9 +252,6 @@ class Init:
         self.enabled = bool(enabled)
         if not self.enabled:
             return
-        if zero_quantized_weights or zero_quantized_nontrainable_weights:
-            raise ValueError("zero.Init: zero_quantized_weights / zero_quantized_nontrainable_weights are not "
-                             "supported by this deepspeed; leave them False.")
         if zero_param_parallel_group is not None:
             raise ValueError("zero.Init: zero_param_parallel_group (hpZ) is not supported by this deepspeed; "
                              "leave it None.")
@@ -277,6 +274,11 @@ class Init:
         self.device = _compute_device()
         part_dev = torch.device("cpu") if str(remote_device) in ("cpu", "nvme") or nvme else self.device
         self.spec = PartitionSpec(comm_for(data_parallel_group), self.device, part_dev, pin_memory)
+        # ZeRO++ flags: zero.Init's own gathers (while building) stay full precision; the engine
+        # applies qwZ to every later gather and keeps frozen weights quantized (it also reads
+        # both keys from its config)
+        self.spec.quantized_weights = bool(zero_quantized_weights)
+        self.spec.quantize_frozen = bool(zero_quantized_nontrainable_weights)
         if nvme:   # ZeRO-Infinity: each module's partitions go to swap files as it is built
             self.spec.swapper = param_swapper if param_swapper is not None else \
                 _nvme_swapper(zero, aio, self.dtype or torch.float32)

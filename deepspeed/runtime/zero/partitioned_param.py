@@ -32,6 +32,7 @@ import itertools
 
 import torch
 
+from ...ops.quantizer.quantizer import dequantize_blockwise, quantize_blockwise
 from .stage3_comm import KIND_BROADCAST, KIND_GATHER, CheckedComm
 
 
@@ -172,6 +173,15 @@ def set_partition_from_full(p, full: torch.Tensor) -> None:
     """Write this rank's slice of ``full`` (the whole parameter) into ``p.ds_tensor``."""
     lo, hi = owned_range(p)
     flat = full.reshape(-1)
+    if is_quantized(p):   # a frozen weight kept quantized: quantize the new slice
+        s = p.ds_tensor.numel()
+        part = torch.zeros(s, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
+        if hi > lo:
+            part[:hi - lo].copy_(flat[lo:hi])
+        block = p._z3_q[0].shape[1]
+        p.ds_tensor = part
+        quantize_partition(p, block)
+        return
     with resident_partitions([p], overwrite=True):
         if hi > lo:
             p.ds_tensor[:hi - lo].copy_(flat[lo:hi])
@@ -268,6 +278,58 @@ def _pool_batches(sw, params):
     return batches
 
 
+# ---------------------------------------------------------------- ZeRO++ frozen weights kept quantized
+QUANT_BLOCK = 2048   # elements per block (one fp32 scale each), as qwZ's gathers
+
+
+def quantize_partition(p, block: int = QUANT_BLOCK) -> None:
+    """``zero_quantized_nontrainable_weights``: keep frozen ``p``'s partition as int8 blocks with
+    one fp32 scale each (|error| <= scale/2 per element) and drop the full-precision partition:
+    ``p.ds_tensor`` keeps its shape and dtype but holds no storage."""
+    part = p.ds_tensor
+    codes, scales = quantize_blockwise(part, min(block, max(1, part.numel())), bits=8)
+    p._z3_q = (codes.to(part.device), scales.to(part.device))
+    p._z3_q_bound = float(scales.max()) / 2 if scales.numel() else 0.0
+    holder = torch.empty(part.numel(), dtype=part.dtype, device=part.device)
+    holder.untyped_storage().resize_(0)
+    holder.ds_numel = part.numel()
+    p.ds_tensor = holder
+
+
+def is_quantized(p) -> bool:
+    return p.__dict__.get("_z3_q") is not None
+
+
+def _gather_quantized(comm, todo, what: str):
+    """All-gather the int8 codes and scales of quantized frozen partitions (two collectives for
+    all of them) and dequantize each into its full buffer. Synchronous."""
+    base = getattr(comm, "_base", comm)     # codes go as they are, never re-quantized by qwZ
+    ws = base.world_size
+    codes = torch.cat([p._z3_q[0] for p in todo])
+    scales = torch.cat([p._z3_q[1] for p in todo])
+    nb, blk = codes.shape
+    base.check(KIND_GATHER, [p.ds_id for p in todo], ws * (codes.numel() + scales.numel()),
+               (what + " (quantized frozen weights)") if what else base.describe(todo))
+    all_codes = torch.empty((ws, nb, blk), dtype=torch.int8, device=codes.device)
+    all_scales = torch.empty((ws, nb), dtype=torch.float32, device=codes.device)
+    base.all_gather_into(all_codes.view(-1), codes.view(-1))
+    base.all_gather_into(all_scales.view(-1), scales.view(-1))
+    off = 0
+    for p in todo:
+        k = p._z3_q[1].numel()
+        s = p.ds_tensor.numel()
+        full = _full_buffer(p)
+        spec = p._z3
+        vals = all_codes[:, off:off + k].float() * all_scales[:, off:off + k, None]
+        with torch.no_grad():
+            full[:ws * s].view(ws, s).copy_(vals.reshape(ws, -1)[:, :s].to(device=spec.device))
+        off += k
+        p.data = full[:p.ds_numel].view(p.ds_shape)
+        p.ds_status = ZeroParamStatus.AVAILABLE
+        if spec.sec_comm is not None:
+            _keep_secondary(p)
+
+
 def _keep_secondary(p) -> None:
     """hpZ: keep this rank's slice of the just-gathered ``p`` for gathers inside its group."""
     sec = p._z3.sec_comm
@@ -338,6 +400,11 @@ def gather_params(params, async_op: bool = False, what: str = "", alias: bool = 
         todo = _alias_partitions(todo)
     if not todo:
         return None
+    if any(is_quantized(p) for p in todo):   # frozen weights kept quantized: their codes are gathered
+        _gather_quantized(todo[0]._z3.comm, [p for p in todo if is_quantized(p)], what)
+        todo = [p for p in todo if not is_quantized(p)]
+        if not todo:
+            return None
     if secondary and any(_secondary_valid(p) for p in todo):   # hpZ: these gather inside the node group
         sec = [p for p in todo if _secondary_valid(p)]
         rest = [p for p in todo if not _secondary_valid(p)]

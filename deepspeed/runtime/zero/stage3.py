@@ -33,7 +33,7 @@ from .estimators import estimate_zero3_model_states_mem_needs_all_cold  # noqa: 
 from .estimators import estimate_zero3_model_states_mem_needs_all_live  # noqa: F401
 from .parameter_offload import ParameterCoordinator
 from .partitioned_param import (PartitionSpec, ZeroParamStatus, _flat_input, convert_param, gather_params,
-                                is_zero_param, release_param)
+                                is_quantized, is_zero_param, quantize_partition, release_param)
 from .stage3_comm import KIND_GATHER, KIND_STEP, comm_for
 from .stage3_fragments import Stage3StateAccess
 from .stage3_grads import GradReducer
@@ -59,10 +59,10 @@ def _comm_dtype(name):
 
 def _refuse_unsupported(z) -> None:
     from ...config.errors import DeepSpeedConfigError
-    if z.zero_quantized_nontrainable_weights:   # qwZ / qgZ are built (zeropp.py); this one is not
-        raise DeepSpeedConfigError("zero_optimization.zero_quantized_nontrainable_weights (ZeRO++ frozen weights kept "
-                                   "quantized in memory) is not supported by this deepspeed; set it to false "
-                                   "(zero_quantized_weights and zero_quantized_gradients are supported).")
+    if z.zero_quantized_nontrainable_weights and z.offload_param_device == "nvme":
+        raise DeepSpeedConfigError("zero_optimization.zero_quantized_nontrainable_weights cannot be combined with "
+                                   "offload_param.device 'nvme' (frozen weights are kept quantized in memory); "
+                                   "set one of them off.")
     if z.mics_shard_size > 0 and z.zero_hpz_partition_size > 1:
         raise DeepSpeedConfigError("zero_optimization: mics_shard_size and zero_hpz_partition_size > 1 cannot be "
                                    "combined (both give gathers a node-sized group); set one of them.")
@@ -110,7 +110,8 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
             shard, replica = shard_and_replica_groups(self.comm.group, z.mics_shard_size, "mics_shard_size")
             if shard is not None:
                 self.comm, self.replica_comm = comm_for(shard), comm_for(replica)
-        self.comm = wrap_comm(self.comm, z)   # ZeRO++ qwZ/qgZ collectives when configured
+        self.comm = wrap_comm(self.comm, z, weights=any(   # ZeRO++ qwZ/qgZ collectives when configured
+            getattr(getattr(p, "_z3", None), "quantized_weights", False) for p in module.parameters()))
         off_param = z.offload_param_device == "cpu"
         off_opt = z.offload_optimizer_device in ("cpu", "nvme")   # nvme: updated in host memory (stage3_nvme)
         nvme_opt = z.offload_optimizer_device == "nvme"
@@ -172,6 +173,9 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         to the training dtype, and keep small ones whole (``stage3_param_persistence_threshold``)."""
         budget = z.model_persistence_threshold
         to_persist, seen = [], set()
+        # zero.Init(zero_quantized_nontrainable_weights=True) asks for it as the config key does
+        quant_frozen = bool(z.zero_quantized_nontrainable_weights) or any(
+            getattr(getattr(p, "_z3", None), "quantize_frozen", False) for p in self.module.parameters())
         for name, p in self.module.named_parameters():
             if id(p) in seen:
                 continue
@@ -195,6 +199,10 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         for b in self.module.buffers():
             if b.is_floating_point() and b.dtype != self.dtype:
                 b.data = b.data.to(self.dtype)
+        if quant_frozen:   # ZeRO++ zero_quantized_nontrainable_weights: frozen partitions kept as int8 blocks
+            for p in {id(q): q for q in self.module.parameters()}.values():
+                if not p.requires_grad and not p.ds_persist and p.is_floating_point() and not is_quantized(p):
+                    quantize_partition(p)
         if to_persist:  # zero.Init partitioned them; keep them whole from now on
             if self.spec.swapper is not None:   # whole params keep their partition in memory
                 self.spec.swapper.remove_params(to_persist)
@@ -543,7 +551,10 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
                 continue
             seen.add(id(p))
             if id(p) not in owned:
-                other += p.ds_tensor.numel() * p.ds_tensor.element_size()
+                if is_quantized(p):   # int8 codes (padded blocks) + fp32 scales
+                    other += sum(t.numel() * t.element_size() for t in p._z3_q)
+                else:
+                    other += p.ds_tensor.numel() * p.ds_tensor.element_size()
             if p.ds_persist:
                 persistent_full += p.numel() * p.element_size()
         out["frozen_partitions"] = other

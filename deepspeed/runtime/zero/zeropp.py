@@ -141,10 +141,11 @@ class QuantizedComm:
         return None
 
 
-def wrap_comm(comm, zero_config):
+def wrap_comm(comm, zero_config, weights: bool = False):
     """The communicator stage 3 uses: ``comm`` itself, or a :class:`QuantizedComm` over it
-    when the config asks for qwZ and/or qgZ."""
-    w = bool(zero_config.zero_quantized_weights)
+    when the config (or ``weights``: ``zero.Init(zero_quantized_weights=True)``) asks for qwZ
+    and/or qgZ."""
+    w = bool(zero_config.zero_quantized_weights) or bool(weights)
     g = bool(zero_config.zero_quantized_gradients)
     if not (w or g):
         return comm

@@ -201,14 +201,15 @@ def test_unbuilt_zeropp_keys_refused():
     from deepspeed.config import DeepSpeedConfig
     from deepspeed.config.errors import DeepSpeedConfigError
     from deepspeed.runtime.zero.stage3 import _refuse_unsupported
-    for extra, key in (({"zero_quantized_nontrainable_weights": True}, "zero_quantized_nontrainable_weights"),
+    for extra, key in (({"zero_quantized_nontrainable_weights": True,
+                         "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, "zero_quantized_nontrainable_weights"),
                        ({"mics_shard_size": 2, "zero_hpz_partition_size": 2}, "mics_shard_size")):
         cfg = DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {"stage": 3, **extra}})
         with pytest.raises(DeepSpeedConfigError, match=key):
             _refuse_unsupported(cfg.zero)
     _refuse_unsupported(DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {
         "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
-        "zero_hpz_partition_size": 2}}).zero)   # built: accepted
+        "zero_hpz_partition_size": 2, "zero_quantized_nontrainable_weights": True}}).zero)   # built: accepted
     _refuse_unsupported(DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {
         "stage": 3, "mics_shard_size": 2}}).zero)
 
