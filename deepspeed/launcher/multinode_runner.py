@@ -16,12 +16,13 @@ supervisor as the ranks.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from .constants import (MPICH_LAUNCHER, MVAPICH_LAUNCHER, MVAPICH_TMP_HOSTFILE, OPENMPI_LAUNCHER, PDSH_LAUNCHER,
                         SLURM_LAUNCHER, SSH_LAUNCHER)
@@ -35,6 +36,8 @@ class NodeCommand:
     argv: List[str]
     env: Dict[str, str]
     stdin_pipe: bool = False
+    # a stderr line -> the exit code of a failed part of the job it reports, else None
+    stderr_failure: Optional[Callable[[str], Optional[int]]] = None
 
 
 class MultiNodeRunner:
@@ -167,7 +170,7 @@ class PDSHRunner(MultiNodeRunner):
                                            f" -p {self.args.ssh_port}").strip()
         argv = ["pdsh", "-S", "-f", "1024", "-w", ",".join(self.resources)] + self.launcher_args
         argv.append(self.remote_shell_command(self.launch_argv("%n")))
-        return [NodeCommand("pdsh", argv, env)]
+        return [NodeCommand("pdsh", argv, env, stderr_failure=pdsh_host_failure)]
 
     def kill_command(self) -> List[str]:
         """``pdsh -w <hosts> pkill -f '<this job's node launchers>'`` (DeepSpeed's kill_cmd).
@@ -186,6 +189,18 @@ class PDSHRunner(MultiNodeRunner):
         cmd = self.node_commands(environment, active_resources)[0]
         environment.update(cmd.env)
         return cmd.argv, self.kill_command(), environment
+
+
+_PDSH_HOST_FAILED = re.compile(r"^pdsh@[^:\s]+: ([^:\s]+): \S+ exited with exit code (\d+)$")
+
+
+def pdsh_host_failure(line: str) -> Optional[int]:
+    """The exit code in pdsh's ``pdsh@head: worker-1: ssh exited with exit code 137`` line.
+
+    pdsh waits for every host; when one host's command fails the others may run on (until their
+    collectives notice), so the launcher stops the job as soon as pdsh reports such a line."""
+    m = _PDSH_HOST_FAILED.match(line)
+    return int(m.group(2)) if m and int(m.group(2)) != 0 else None
 
 
 def _ere_escape(text: str) -> str:

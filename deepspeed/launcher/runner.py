@@ -255,7 +255,8 @@ def _launch_multinode(args) -> int:
                             f"install it or choose another of {', '.join(MULTINODE_LAUNCHERS)}")
     for c in cmds:
         logger.info(f"{c.label}: {shlex.join(c.argv)}")
-    members = [Member(label=c.label, argv=c.argv, env=c.env, stdin_pipe=c.stdin_pipe) for c in cmds]
+    members = [Member(label=c.label, argv=c.argv, env=c.env, stdin_pipe=c.stdin_pipe,
+                      stderr_failure=c.stderr_failure) for c in cmds]
     code = Supervisor(members, logger).run()
     if code != 0 and hasattr(runner, "kill_command"):
         _sweep_nodes(runner.kill_command(), cmds[0].env, logger)

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .constants import DEFAULT_KILL_GRACE_S, KILL_GRACE_ENV
 
@@ -87,6 +87,24 @@ def _watch_stdin() -> None:
     threading.Thread(target=reader, name="stdin-watchdog", daemon=True).start()
 
 
+def _relay_stderr(m: "Member") -> None:
+    """Pass ``m``'s stderr on to ours, line by line, noting the first failure it reports."""
+    for raw in iter(m.proc.stderr.readline, b""):
+        with contextlib.suppress(Exception):     # our stderr closed or replaced: keep reading
+            out = getattr(sys.stderr, "buffer", None)
+            if out is not None:
+                out.write(raw)
+            else:
+                sys.stderr.write(raw.decode(errors="replace"))
+            sys.stderr.flush()
+        if m.reported is None:
+            line = raw.decode(errors="replace").strip()
+            code = m.stderr_failure(line)
+            if code is not None:
+                m.reported = (code, line)
+    m.proc.stderr.close()
+
+
 @dataclass
 class Member:
     """One supervised process: ``label`` names it in messages (e.g. ``rank 3``)."""
@@ -95,8 +113,12 @@ class Member:
     env: Optional[Dict[str, str]] = None
     stdout: Optional[str] = None  # a log file path; None = inherit
     stdin_pipe: bool = False      # keep a pipe open to its stdin (EOF when we die)
+    # Reads each stderr line (which is passed on to ours) and returns an exit code when the line
+    # reports that a part of this process's work failed (pdsh: a host's command), else None.
+    stderr_failure: Optional[Callable[[str], Optional[int]]] = None
     proc: Optional[subprocess.Popen] = field(default=None, repr=False)
     returncode: Optional[int] = None
+    reported: Optional[Tuple[int, str]] = None   # (code, line) from stderr_failure
 
 
 class Supervisor:
@@ -132,6 +154,8 @@ class Supervisor:
         if self.received_signal is not None:
             return 128 + self.received_signal
         if self.failure is not None:
+            if self.failure.reported is not None and self.failure.reported[0] > 0:
+                return self.failure.reported[0]
             rc = self.failure.returncode
             return rc if rc and rc > 0 else 128 + (-rc if rc else 1)
         return 0
@@ -146,9 +170,13 @@ class Supervisor:
                 out = open(m.stdout, "ab")
                 self._files.append(out)
             try:
+                err = subprocess.STDOUT if out else (subprocess.PIPE if m.stderr_failure else None)
                 m.proc = subprocess.Popen(
-                    m.argv, env=m.env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                    m.argv, env=m.env, stdout=out, stderr=err,
                     stdin=subprocess.PIPE if m.stdin_pipe else subprocess.DEVNULL, preexec_fn=setup)
+                if err is subprocess.PIPE:
+                    threading.Thread(target=_relay_stderr, args=(m,), name=f"stderr of {m.label}",
+                                     daemon=True).start()
             except OSError as err:
                 self.log.error(f"could not start {m.label} ({m.argv[0]!r}): {err}")
                 m.returncode = 127
@@ -164,6 +192,10 @@ class Supervisor:
                     m.returncode = rc
                     if rc != 0:
                         self._note_failure(m)
+                elif m.reported is not None and self.failure is None and self.received_signal is None:
+                    self.failure = m
+                    self.log.error(f"{m.label} reports a failure: {m.reported[1]}; stopping the job")
+                    self._begin_stop(signal.SIGTERM)
             if all(m.proc is None or m.returncode is not None for m in self.members):
                 break
             if self._kill_deadline is not None and time.monotonic() >= self._kill_deadline:

@@ -227,3 +227,27 @@ def test_master_addr_default_is_first_hosts_hostname_i(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_SSH_FAIL", "1")
     with pytest.raises(ResourceError, match="worker-0 hostname -I' failed: no route to host; pass --master_addr"):
         runner.first_host_address(args, "worker-0")
+
+
+def test_pdsh_reported_host_failure_stops_the_job(tmp_path, capfd):
+    """pdsh waits for every host; its 'pdsh@head: host: ssh exited with exit code N' line on
+    stderr stops the job at once (the rest of the job, here a 'sleep', is stopped) with that code,
+    and the line is still shown. Lines that report nothing do nothing."""
+    import logging
+    import time
+
+    from deepspeed.launcher import multinode_runner as mn
+    from deepspeed.launcher.supervisor import Member, Supervisor
+    assert mn.pdsh_host_failure("pdsh@worker-0: worker-1: ssh exited with exit code 137") == 137
+    assert mn.pdsh_host_failure("pdsh@worker-0: worker-1: ssh exited with exit code 0") is None
+    assert mn.pdsh_host_failure("worker-1: ... exited with exit code 1") is None
+    cmd = mn.PDSHRunner(runner.parse_args(["train.py"]), encode_world_info({"a": 1, "b": 1})).node_commands({})[0]
+    assert cmd.stderr_failure is mn.pdsh_host_failure
+    script = ("echo 'worker-0: still training' >&2; sleep 0.2; "
+              "echo 'pdsh@head: worker-1: ssh exited with exit code 9' >&2; exec sleep 30")
+    member = Member("pdsh", ["sh", "-c", script], stderr_failure=mn.pdsh_host_failure)
+    t0 = time.monotonic()
+    code = Supervisor([member], logging.getLogger("test"), grace_s=1).run()
+    assert code == 9 and time.monotonic() - t0 < 5
+    err = capfd.readouterr().err
+    assert "worker-0: still training" in err and "worker-1: ssh exited with exit code 9" in err

@@ -98,13 +98,13 @@ def test_include_exclude_and_master_addr(clean_bed, tmp_path, job_env):
     assert {r["env"]["MASTER_ADDR"] for r in recs} == {"worker-1"}
 
 
-def _kill_remote_rank(bed, tmp_path, env, launcher, slots, hang_after, interrupt=False):
+def _kill_remote_rank(bed, tmp_path, env, launcher, slots, hang_after, interrupt=False, idle="allreduce"):
     """Start a job that idles in all-reduces, SIGKILL the last rank (on worker-1) (or, with
     ``interrupt``, send SIGINT to the launcher as Ctrl-C does), and return (exit code, seconds
     from the kill to the launcher's exit, output)."""
     hostfile = bed.hostfile(str(tmp_path / "hostfile"), slots=slots, hosts=["worker-0", "worker-1"])
     argv = [DEEPSPEED, "--hostfile", hostfile, "--launcher", launcher, TRAIN, "--out", str(tmp_path),
-            "--hang_after", str(hang_after)]
+            "--hang_after", str(hang_after), "--idle", idle]
     world = 2 * slots
     proc = bed.popen("worker-0", argv, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
                      stderr=subprocess.STDOUT, text=True)
@@ -172,3 +172,14 @@ def test_interrupted_launcher_leaves_nothing(clean_bed, tmp_path, job_env, launc
     assert "launcher received SIGINT" in out, out[-6000:]
     left = clean_bed.wait_quiet(10)
     assert not left, f"processes left per host: {left}"
+
+
+@pytest.mark.slow
+def test_pdsh_remote_rank_killed_while_peers_compute(clean_bed, tmp_path, job_env):
+    """The surviving ranks are in no collective (they sleep), so nothing on worker-0 notices the
+    loss; pdsh reports worker-1's failure and waits for worker-0. The launcher stops the job on
+    that report and sweeps every host. (Before: the job ran on until worker-0's ranks ended.)"""
+    code, elapsed, out = _kill_remote_rank(clean_bed, tmp_path, job_env, "pdsh", 1, hang_after=0, idle="sleep")
+    _check_teardown(clean_bed, code, elapsed, out, 1)
+    assert code == 137, out[-6000:]                          # worker-1's exit code, from pdsh's report
+    assert "pdsh reports a failure: pdsh@worker-0: worker-1: ssh exited with exit code 137" in out, out[-6000:]

@@ -27,6 +27,8 @@ p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--global_batch", type=int, default=8)
 p.add_argument("--hang_after", type=int, default=-1)
+p.add_argument("--idle", choices=["allreduce", "sleep"], default="allreduce",
+               help="with --hang_after: idle in all-reduces, or sleep (no collective to notice a lost peer)")
 p.add_argument("--hidden", type=int, default=16, help="TinyMLP width (the benchmark uses a wider one)")
 p.add_argument("--layers", type=int, default=2)
 a = p.parse_args()
@@ -39,6 +41,9 @@ def idle_in_collectives():
     with open(os.path.join(a.out, f"ready{rank}"), "w") as f:
         f.write(str(os.getpid()))
     while True:                          # keep talking to the peers until someone dies
+        if a.idle == "sleep":
+            time.sleep(1)
+            continue
         torch.distributed.all_reduce(torch.ones(1))
         time.sleep(0.05)
 
