@@ -6,6 +6,8 @@ one's process group, SIGKILL after a grace period) and report who failed and how
 SIGINT/SIGTERM/SIGHUP sent to the supervisor are forwarded the same way. Each child
 runs in its own process group (so its own children are stopped with it) and, on Linux,
 asks the kernel to SIGKILL it if the supervisor dies, so nothing outlives the launcher.
+A process that reports failures of its parts on stderr (pdsh: one host's command failed,
+while pdsh waits for the others) counts as failed at that report (``Member.stderr_failure``).
 """
 from __future__ import annotations
 
