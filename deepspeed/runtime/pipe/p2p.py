@@ -1,15 +1,18 @@
 """Point-to-point transport of activations and gradients between adjacent stages.
 
-Every message starts with a two-int64 header ``[kind, n]``:
+A transfer on a channel starts with one *lead* message, whose first 16 bytes are a
+two-int64 header ``[kind, n]`` and whose size both sides know: the header plus the tensors
+of the channel's last transfer, packed (16-byte aligned), or just the header before the
+first transfer.
 
-* ``kind = 0``: the tensors have the same description as last time on this channel;
-  the tensors follow.
-* ``kind = 1``: a new description follows (``n`` int64s: per tensor dtype code,
-  requires_grad, ndim, shape...), then the tensors. Descriptions are therefore sent
-  once and again only when a shape or dtype changes.
-* ``kind = 2``: abort (sent on both channels). ``n`` bytes of UTF-8 error text follow; the receiver raises
-  :class:`PipelineError` with it (and the engine passes the abort on), so an exception
-  on one stage stops every stage instead of leaving them blocked in ``recv``.
+* ``kind = 0`` (SAME): the tensors have the same description as last time on this
+  channel and are inside the lead: one message per transfer.
+* ``kind = 1`` (NEW): a new description follows (``n`` int64s: per tensor dtype code,
+  requires_grad, ndim, shape...; activations only), then the tensors, one message each.
+  Descriptions are therefore sent once and again only when a shape or dtype changes.
+* ``kind = 2`` (ABORT, sent on both channels): ``n`` bytes of UTF-8 error text follow; the
+  receiver raises :class:`PipelineError` with it (and the engine passes the abort on), so
+  an exception on one stage stops every stage instead of leaving them blocked in ``recv``.
 
 Activations and gradients travel with two different tags, so the two directions of traffic
 between one pair of ranks (interleaved schedules wrap around) never match each other; every
@@ -18,16 +21,13 @@ Sends are non-blocking (``isend``) and completed by :meth:`P2P.wait_sends`; rece
 block with a timeout (``pipeline.p2p_timeout`` seconds in the config, default 300),
 after which they raise naming the peer stage. Boolean tensors travel as uint8.
 
-Over gloo, receives are posted ahead (:meth:`P2P.plan`): a receiver keeps the next
-transfer's header and tensors (in the shapes of the last transfer on that channel)
-posted, so the sender's messages go out at once and land while the receiver computes.
-Both sides know what is posted, so when the shapes change (``kind = 1``) or a stage
-aborts (``kind = 2``), the sender first sends placeholders of the old shapes into those
-receives, then the description or the abort text, then the tensors.
+Over gloo, the leads are posted ahead (:meth:`P2P.plan`), so the sender's message goes out
+at once and lands while the receiver computes.
 """
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from typing import List, Optional, Sequence
 
@@ -72,13 +72,26 @@ def _parse(meta: List[int]):
     return is_tuple, out
 
 
-class _Posted:
-    """One receive posted ahead on a channel: the header, and the tensors of the shapes
-    last received there (when known)."""
-    __slots__ = ("hdr", "hdr_work", "data", "data_works")
+HDR_BYTES = 16    # the header: two int64 [kind, n]
+ALIGN = 16        # byte offset of each tensor inside a packed message
 
-    def __init__(self, hdr, hdr_work, data, data_works):
-        self.hdr, self.hdr_work, self.data, self.data_works = hdr, hdr_work, data, data_works
+
+def _packed_size(shapes) -> int:
+    """Bytes of a message holding the header and tensors of ``shapes`` ([(dtype, shape)])."""
+    size = HDR_BYTES
+    for dtype, shape in shapes:
+        size = -(-size // ALIGN) * ALIGN + math.prod(shape) * dtype.itemsize
+    return size
+
+
+def _unpack(buf: torch.Tensor, shapes) -> List[torch.Tensor]:
+    out, off = [], HDR_BYTES
+    for dtype, shape in shapes:
+        off = -(-off // ALIGN) * ALIGN
+        n = math.prod(shape) * dtype.itemsize
+        out.append(buf[off:off + n].view(dtype).view(shape))
+        off += n
+    return out
 
 
 _ABANDONED: list = []   # receives left posted by a failed schedule: kept alive, never freed under gloo
@@ -87,17 +100,20 @@ _ABANDONED: list = []   # receives left posted by a failed schedule: kept alive,
 class P2P:
     """Channels of one stage to its neighbours (global ranks ``prev``/``next``, None at the ends).
 
-    Receives are posted ahead (over gloo, see :meth:`plan`): :meth:`plan` says how many receives each channel will see in
-    the coming schedule; the first is posted at once and each later one as soon as the one
-    before it is consumed, header and tensors together (the tensors with the shapes last
-    received on the channel). The sender's ``isend`` then goes out at once and the data
-    lands while this stage computes, instead of the receiver asking for it when it needs it
-    (gloo sends a message only once the receiver has posted a matching receive: a receive
-    posted late costs a round trip on the critical path, twice with a separate header).
-    Both sides know what the receiver posts ahead (the shapes of the last transfer), so a
-    sender whose shapes changed, or that aborts, first fills those posted tensors with
-    placeholders of the old shapes (``kind`` NEW/ABORT): every message still meets a receive
-    of its own size."""
+    Every transfer on a channel starts with one *lead* message of a size both sides know:
+    the header followed by the tensors, packed, in the shapes of the channel's last
+    transfer (just the 16-byte header before the first one). When the shapes are the
+    same (``kind`` SAME) the lead is the whole transfer: one message. Otherwise the lead's
+    header says NEW (the description, for activations, and the tensors follow as messages
+    of their own) or ABORT (the error text follows). Received tensors are views into the
+    lead.
+
+    Receives are posted ahead (over gloo, see :meth:`plan`): :meth:`plan` says how many
+    receives each channel will see in the coming schedule; the first lead is posted at
+    once and each later one as soon as the one before it is consumed. Gloo sends a
+    message only once the receiver has posted a matching receive, so a receive posted
+    when the data is needed costs a round trip on the critical path; posted ahead, the
+    sender's message goes out at once and lands while the receiver computes."""
 
     def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], device="cpu",
                  timeout_s: Optional[float] = None, stage_id: int = 0):
@@ -109,10 +125,9 @@ class P2P:
         self._recv_meta = {}      # (peer, tag) -> parsed description last received
         self._sent_shapes = {}    # (peer, tag) -> [(wire dtype, shape)] last sent
         self._recv_shapes = {}    # (peer, tag) -> [(wire dtype, shape)] last received
-        self._posted = {}         # (peer, tag) -> _Posted (at most one per channel)
+        self._posted = {}         # (peer, tag) -> (lead buffer, work) posted ahead (one per channel)
         self._ahead = {}          # (peer, tag) -> receives still to post in this schedule
         self._works = []          # (work, tensor) pending isends
-        self._same = torch.tensor([SAME, 0], dtype=torch.int64, device=device)   # read-only, shared by sends
         self.bytes_sent = 0
         self.descriptions_sent = 0   # how often a (new) tensor description went out
         self.messages_sent = 0
@@ -145,12 +160,21 @@ class P2P:
         self._wait(dist.irecv(t, src, tag=self.act_tag if tag is None else tag), src, what)
         return t
 
-    def _post(self, src: int, tag: int) -> _Posted:
-        hdr = torch.empty(2, dtype=torch.int64, device=self.device)
-        hdr_work = dist.irecv(hdr, src, tag=tag)
-        data = [torch.empty(shape, dtype=dtype, device=self.device)
-                for dtype, shape in self._recv_shapes.get((src, tag), ())]
-        return _Posted(hdr, hdr_work, data, [dist.irecv(t, src, tag=tag) for t in data])
+    def _post(self, src: int, tag: int):
+        lead = torch.empty(_packed_size(self._recv_shapes.get((src, tag), ())), dtype=torch.uint8,
+                           device=self.device)
+        return lead, dist.irecv(lead, src, tag=tag)
+
+    def _lead(self, dst: int, tag: int, kind: int, n: int, tensors=()) -> torch.Tensor:
+        """The lead message for ``dst``: the header, then ``tensors`` packed (SAME) or
+        nothing (NEW/ABORT: a placeholder of the size the receiver posted)."""
+        shapes = self._sent_shapes.get((dst, tag), ()) if kind != SAME else [(t.dtype, tuple(t.shape)) for t in tensors]
+        buf = torch.empty(_packed_size(shapes), dtype=torch.uint8, device=self.device)
+        buf[:HDR_BYTES].view(torch.int64).copy_(torch.tensor([kind, n], dtype=torch.int64))
+        if kind == SAME:
+            for view, t in zip(_unpack(buf, shapes), tensors):
+                view.copy_(t)
+        return buf
 
     def plan(self, receives: dict) -> None:
         """``{(peer, tag): n}``: the receives each channel will see in the coming schedule;
@@ -171,21 +195,19 @@ class P2P:
             self._posted[key] = self._post(*key)
 
     def _take(self, src: int, tag: int, what: str):
-        """The next transfer's header on a channel: (kind, n, tensors posted ahead)."""
-        key = (src, tag)
-        posted = self._posted.pop(key, None)
+        """The next transfer's lead on a channel: (kind, n, lead buffer)."""
+        posted = self._posted.pop((src, tag), None)
         if posted is None:
             posted = self._post(src, tag)
         else:
             self.posted_ahead += 1
-        self._wait(posted.hdr_work, src, what)
-        kind, n = int(posted.hdr[0]), int(posted.hdr[1])
-        for w in posted.data_works:   # the tensors themselves, or the sender's placeholders
-            self._wait(w, src, what)
+        lead, work = posted
+        self._wait(work, src, what)
+        kind, n = lead[:HDR_BYTES].view(torch.int64).tolist()
         if kind == ABORT:
             text = self._recv(torch.zeros(n, dtype=torch.uint8, device=self.device), src, "abort message", tag)
             raise PipelineError(bytes(text.tolist()).decode("utf-8", "replace"), src)
-        return kind, n, posted.data
+        return kind, n, lead
 
     def abandon(self) -> None:
         """Forget receives posted ahead (after a failed schedule); gloo keeps their buffers."""
@@ -198,44 +220,39 @@ class P2P:
             w.wait()
         self._works.clear()
 
-    def _fill_posted(self, dst: int, tag: int) -> None:
-        """Placeholders for the tensors the receiver posted ahead (the shapes last sent)."""
-        for dtype, shape in self._sent_shapes.get((dst, tag), ()):
-            self._isend(torch.zeros(shape, dtype=dtype, device=self.device), dst, tag)
-
     # ------------------------------------------------------------------ activations
     def send_tensors(self, tensors: Sequence[torch.Tensor], dst: int, is_tuple: bool = True) -> None:
         wire = [(t.to(torch.uint8) if t.dtype == torch.bool else t).detach() for t in tensors]
         meta = _describe(tensors, is_tuple)
         key = (dst, self.act_tag)
         if self._sent_meta.get(key) != meta:
-            self._isend(torch.tensor([NEW, len(meta)], dtype=torch.int64, device=self.device), dst)
-            self._fill_posted(dst, self.act_tag)
+            self._isend(self._lead(dst, self.act_tag, NEW, len(meta)), dst)
             self._isend(torch.tensor(meta, dtype=torch.int64, device=self.device), dst)
+            for t in wire:
+                self._isend(t, dst)
             self._sent_meta[key] = meta
             self.descriptions_sent += 1
         else:
-            self._isend(self._same, dst)
+            self._isend(self._lead(dst, self.act_tag, SAME, 0, wire), dst)
         self._sent_shapes[key] = [(t.dtype, tuple(t.shape)) for t in wire]
-        for t in wire:
-            self._isend(t, dst)
 
     def recv_tensors(self, src: int, what: str = "activations"):
         """The tensors sent (a tuple, or one tensor when a single tensor was sent)."""
         key = (src, self.act_tag)
-        kind, n, data = self._take(src, self.act_tag, what)
+        kind, n, lead = self._take(src, self.act_tag, what)
         if kind == NEW:
             meta = self._recv(torch.zeros(n, dtype=torch.int64, device=self.device), src, what).tolist()
             self._recv_meta[key] = _parse(meta)
-            data = None
         elif key not in self._recv_meta:
             raise PipelineError(f"pipeline stage {self.stage_id}: {what} from rank {src} arrived without a "
                                 f"description; the stages are out of step.")
         is_tuple, descr = self._recv_meta[key]
         shapes = [(torch.uint8 if dtype == torch.bool else dtype, shape) for dtype, _, shape in descr]
-        if not data:
+        if kind == NEW:
             data = [self._recv(torch.empty(shape, dtype=wire, device=self.device), src, what)
                     for wire, shape in shapes]
+        else:
+            data = _unpack(lead, shapes)
         self._recv_shapes[key] = shapes
         self._post_next(key)
         out = []
@@ -250,27 +267,28 @@ class P2P:
     # ------------------------------------------------------------------ gradients
     def send_grads(self, grads: Sequence[torch.Tensor], dst: int) -> None:
         key = (dst, self.grad_tag)
+        grads = [g.detach() for g in grads]
         shapes = [(g.dtype, tuple(g.shape)) for g in grads]
-        old = self._sent_shapes.get(key)
-        if old is not None and old != shapes:   # the receiver posted the old shapes: fill them first
-            self._isend(torch.tensor([NEW, 0], dtype=torch.int64, device=self.device), dst, self.grad_tag)
-            self._fill_posted(dst, self.grad_tag)
-        else:
-            self._isend(self._same, dst, self.grad_tag)
+        if self._sent_shapes.get(key) == shapes:
+            self._isend(self._lead(dst, self.grad_tag, SAME, 0, grads), dst, self.grad_tag)
+        else:   # first time, or new shapes: the tensors follow the lead
+            self._isend(self._lead(dst, self.grad_tag, NEW, 0), dst, self.grad_tag)
+            for g in grads:
+                self._isend(g, dst, self.grad_tag)
         self._sent_shapes[key] = shapes
-        for g in grads:
-            self._isend(g.detach(), dst, self.grad_tag)
 
     def recv_grads(self, like: Sequence[torch.Tensor], src: int) -> List[torch.Tensor]:
         key = (src, self.grad_tag)
-        kind, _, data = self._take(src, self.grad_tag, "gradients")
+        kind, _, lead = self._take(src, self.grad_tag, "gradients")
         shapes = [(t.dtype, tuple(t.shape)) for t in like]
-        if kind == NEW or not data:
+        if kind == NEW:
             data = [self._recv(torch.empty(shape, dtype=dtype, device=self.device), src, "gradients", self.grad_tag)
                     for dtype, shape in shapes]
-        elif [(t.dtype, tuple(t.shape)) for t in data] != shapes:
+        elif self._recv_shapes.get(key) != shapes:
             raise PipelineError(f"pipeline stage {self.stage_id}: gradients from rank {src} do not match the "
                                 f"outputs they belong to; the stages are out of step.")
+        else:
+            data = _unpack(lead, shapes)
         self._recv_shapes[key] = shapes
         self._post_next(key)
         return data
@@ -287,11 +305,8 @@ class P2P:
                 continue
             for tag in (self.act_tag, self.grad_tag):   # the neighbour may be waiting on either channel
                 try:
-                    hdr = torch.tensor([ABORT, data.numel()], dtype=torch.int64, device=self.device)
-                    works = [dist.isend(hdr, peer, tag=tag)]
-                    for dtype, shape in self._sent_shapes.get((peer, tag), ()):   # what it posted ahead
-                        works.append(dist.isend(torch.zeros(shape, dtype=dtype, device=self.device), peer, tag=tag))
-                    works.append(dist.isend(data, peer, tag=tag))
+                    lead = self._lead(peer, tag, ABORT, data.numel())   # the size the neighbour posted
+                    works = [dist.isend(lead, peer, tag=tag), dist.isend(data, peer, tag=tag)]
                     pending.setdefault(peer, []).append(works)
                 except Exception:  # noqa: BLE001 - best effort while failing
                     pass

@@ -1,6 +1,7 @@
-"""Pipeline p2p: with receives posted ahead, every transfer arrives intact and in order,
-also when the shapes change or a stage aborts (the sender first fills what the receiver
-posted with placeholders of the old shapes)."""
+"""Pipeline p2p: after the first transfer a transfer is one message (header and tensors
+packed), and with receives posted ahead every transfer arrives intact and in order, also
+when the shapes change or a stage aborts (the message of the old size then carries only
+the header)."""
 from __future__ import annotations
 
 import torch
@@ -23,7 +24,9 @@ def _body(rank, world):
     dist.barrier()
     if rank == 0:
         p2p.send_tensors([a], 1, is_tuple=False)
+        before = p2p.messages_sent
         p2p.send_tensors([a + 1], 1, is_tuple=False)
+        out["messages_same_shapes"] = p2p.messages_sent - before
     if rank == 1:
         out["first"] = p2p.recv_tensors(0)
         out["second"] = p2p.recv_tensors(0)   # posted when the first was consumed
@@ -52,6 +55,7 @@ def _body(rank, world):
 
 def test_receives_posted_ahead_stay_in_step_through_shape_changes_and_abort():
     r0, r1 = run_distributed(_body, 2, timeout=120)
+    assert r0["messages_same_shapes"] == 1   # no header or description message of its own
     a = torch.arange(12.0).reshape(3, 4)
     assert torch.equal(r1["first"], a) and torch.equal(r1["second"], a + 1)
     x, y = r1["changed"]
