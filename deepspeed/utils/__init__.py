@@ -1,5 +1,5 @@
 """``deepspeed.utils``: logger, timers, RepeatingLoader and partitioned-state helpers."""
-from .logging import log_dist, logger  # noqa: F401
+from .logging import log_dist, logger, set_log_level_from_string  # noqa: F401
 from .timer import SynchronizedWallClockTimer, ThroughputTimer  # noqa: F401
 from .z3_leaf_module import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,  # noqa: F401
                              set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules,

@@ -43,3 +43,36 @@ def log_dist(message: str, ranks=None, level=logging.INFO) -> None:
 def print_rank_0(message: str) -> None:
     if _rank() == 0:
         print(message, flush=True)
+
+
+#: DeepSpeed's level names (``set_log_level_from_string``)
+log_levels = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
+              "critical": logging.CRITICAL}
+
+
+def get_log_level_from_string(log_level_str: str) -> int:
+    """``"info"`` -> ``logging.INFO`` (any case); ValueError naming the valid names otherwise."""
+    level = log_levels.get(str(log_level_str).lower())
+    if level is None:
+        raise ValueError(f"{log_level_str!r} is not a log level; valid: {', '.join(log_levels)}.")
+    return level
+
+
+def set_log_level_from_string(log_level_str: str, custom_logger=None) -> None:
+    """Set ``custom_logger`` (default: the DeepSpeed logger) and its handlers to the level named."""
+    level = get_log_level_from_string(log_level_str)
+    lg = logger if custom_logger is None else custom_logger
+    lg.setLevel(level)
+    for h in lg.handlers:
+        h.setLevel(level)
+
+
+def get_current_level() -> int:
+    """The DeepSpeed logger's effective level."""
+    return logger.getEffectiveLevel()
+
+
+def should_log_le(max_log_level_str: str) -> bool:
+    """True when the current level is at or below the level named (``should_log_le("info")``
+    is True at INFO and DEBUG)."""
+    return get_current_level() <= get_log_level_from_string(max_log_level_str)

@@ -373,3 +373,19 @@ def test_driver_turns_a_workers_pytest_outcome_into_an_assertion(tmp_path):
         ns["Exec"]()._dist_run(fail)
     with pytest.raises(KeyError):
         ns["Exec"]()._dist_run(lambda: {}["k"])
+
+
+def test_set_log_level_from_string_sets_logger_and_handlers():
+    from deepspeed.utils import logger, set_log_level_from_string
+    from deepspeed.utils.logging import should_log_le
+    before = (logger.level, [h.level for h in logger.handlers])
+    try:
+        set_log_level_from_string("WARNING")
+        assert logger.level == 30 and all(h.level == 30 for h in logger.handlers)
+        assert not should_log_le("info") and should_log_le("error")
+        with pytest.raises(ValueError, match="'loud' is not a log level; valid: debug, info"):
+            set_log_level_from_string("loud")
+    finally:
+        logger.setLevel(before[0])
+        for h, lv in zip(logger.handlers, before[1]):
+            h.setLevel(lv)
