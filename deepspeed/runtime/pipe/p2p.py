@@ -133,6 +133,7 @@ class P2P:
         self.messages_sent = 0
         self.posted_ahead = 0        # receives that were posted before they were needed
         self.post_ahead = dist.is_initialized() and dist.get_backend() == "gloo"
+        self._same = torch.tensor([SAME, 0], dtype=torch.int64, device=device).view(torch.uint8)
         # a fresh pair of tags per engine: messages left over by a failed engine (abort
         # notices) can never be read by a later one
         _CHANNELS[0] += 1
@@ -168,12 +169,17 @@ class P2P:
     def _lead(self, dst: int, tag: int, kind: int, n: int, tensors=()) -> torch.Tensor:
         """The lead message for ``dst``: the header, then ``tensors`` packed (SAME) or
         nothing (NEW/ABORT: a placeholder of the size the receiver posted)."""
-        shapes = self._sent_shapes.get((dst, tag), ()) if kind != SAME else [(t.dtype, tuple(t.shape)) for t in tensors]
-        buf = torch.empty(_packed_size(shapes), dtype=torch.uint8, device=self.device)
+        if kind == SAME:   # one concatenation: header, then each tensor's bytes at a 16-byte offset
+            parts, size = [self._same], HDR_BYTES
+            for t in tensors:
+                if size % ALIGN:
+                    parts.append(torch.zeros(ALIGN - size % ALIGN, dtype=torch.uint8, device=self.device))
+                    size += ALIGN - size % ALIGN
+                parts.append(t.reshape(-1).view(torch.uint8))
+                size += t.numel() * t.element_size()
+            return torch.cat(parts)
+        buf = torch.zeros(_packed_size(self._sent_shapes.get((dst, tag), ())), dtype=torch.uint8, device=self.device)
         buf[:HDR_BYTES].view(torch.int64).copy_(torch.tensor([kind, n], dtype=torch.int64))
-        if kind == SAME:
-            for view, t in zip(_unpack(buf, shapes), tensors):
-                view.copy_(t)
         return buf
 
     def plan(self, receives: dict) -> None:
