@@ -227,13 +227,24 @@ class ParameterCoordinator:
         self.live = {id(p): p for p in self.live.values() if p.ds_status != ZeroParamStatus.NOT_AVAILABLE}
 
     def live_numel(self) -> int:
-        n = 0
-        for k, p in list(self.live.items()):
-            if p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
-                del self.live[k]
-            else:
-                n += p.ds_numel
-        return n
+        """Elements of this module's partitioned parameters gathered right now (each spec keeps
+        the count as parameters are gathered and released; views of partitions cost nothing)."""
+        return sum(spec.gathered for spec in self._specs())
+
+    def _specs(self):
+        specs = self.__dict__.get("_spec_cache")
+        if specs is None:
+            specs = self._spec_cache = list({id(p._z3): p._z3 for p in self.module.parameters()
+                                             if getattr(p, "_z3", None) is not None}.values())
+        return specs
+
+    def _nothing_to_prefetch(self) -> bool:
+        """One rank, every partition on the compute device: gathers are views, prefetch is moot."""
+        v = self.__dict__.get("_no_prefetch")
+        if v is None:
+            v = self._no_prefetch = all(
+                s.world_size == 1 and s.swapper is None and s.partition_device == s.device for s in self._specs())
+        return v
 
     # -- gathering -------------------------------------------------------------------------
     def fetch(self, module, phase: int, params) -> None:
@@ -279,6 +290,8 @@ class ParameterCoordinator:
         self.live[id(p)] = p
 
     def _prefetch(self) -> None:
+        if self._nothing_to_prefetch():
+            return
         budget = min(self.prefetch_bucket_size, self.max_live - self.live_numel())
         if budget > 0:
             self._prefetch_gather(budget)

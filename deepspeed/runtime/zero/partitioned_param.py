@@ -66,6 +66,7 @@ class PartitionSpec:
         # ``version`` moves at every forward start: secondaries of an older version are stale.
         self.sec_comm = None
         self.version = 0
+        self.gathered = 0   # elements of this spec's parameters gathered (in flight or whole) right now
 
     @property
     def world_size(self) -> int:
@@ -326,6 +327,7 @@ def _gather_quantized(comm, todo, what: str):
         off += k
         p.data = full[:p.ds_numel].view(p.ds_shape)
         p.ds_status = ZeroParamStatus.AVAILABLE
+        spec.gathered += p.ds_numel
         if spec.sec_comm is not None:
             _keep_secondary(p)
 
@@ -350,6 +352,11 @@ def _keep_secondary(p) -> None:
 def _secondary_valid(p) -> bool:
     return (p._z3.sec_comm is not None and p.__dict__.get("_z3_sec") is not None
             and p.__dict__.get("_z3_sec_version") == p._z3.version)
+
+
+def _set_inflight(p) -> None:
+    p.ds_status = ZeroParamStatus.INFLIGHT
+    p._z3.gathered += p.ds_numel
 
 
 def _flat_input(parts) -> torch.Tensor:
@@ -448,7 +455,7 @@ def gather_params(params, async_op: bool = False, what: str = "", alias: bool = 
             out = torch.empty(comm.world_size * src.numel(), dtype=src.dtype, device=src.device)
             for p in todo:
                 _full_buffer(p)
-                p.ds_status = ZeroParamStatus.INFLIGHT
+                _set_inflight(p)
             works.append(comm.all_gather_into(out, src, async_op=async_op))
             flat = (out, sizes)
         else:
@@ -459,12 +466,13 @@ def gather_params(params, async_op: bool = False, what: str = "", alias: bool = 
                     src = src.to(p._z3.device, non_blocking=True)
                     keep.append(src)
                 works.append(comm.all_gather_into(full, src, async_op=async_op))
-                p.ds_status = ZeroParamStatus.INFLIGHT
+                _set_inflight(p)
     except BaseException:
         _release_swapped(held)
         for p in todo:
             if p.ds_status == ZeroParamStatus.INFLIGHT:
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+                p._z3.gathered -= p.ds_numel
         raise
     handle = GatherHandle(todo, works, keep, held, flat)
     for p in todo:
@@ -487,7 +495,7 @@ def _gather_secondary(todo, async_op: bool, what: str):
                (what + " from hpZ secondary partitions") if what else comm.describe(todo))
     for p in todo:
         _full_buffer(p)
-        p.ds_status = ZeroParamStatus.INFLIGHT
+        _set_inflight(p)
     try:
         if len(todo) == 1:
             p = todo[0]
@@ -500,6 +508,8 @@ def _gather_secondary(todo, async_op: bool, what: str):
             flat, keep = (out, sizes), [src]
     except BaseException:
         for p in todo:
+            if p.ds_status == ZeroParamStatus.INFLIGHT:
+                p._z3.gathered -= p.ds_numel
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         raise
     handle = GatherHandle(todo, works, keep, (), flat, primary=False)
@@ -546,10 +556,12 @@ def release_param(p, force: bool = False, rebind: bool = False) -> bool:
     p.data = _placeholder(p.ds_tensor.dtype, p._z3.device)
     if p.__dict__.get("_z3_alias"):      # a view of the partition (one rank): nothing to free
         p._z3_alias = False
-    elif rebind:
-        p._z3_full = None
     else:
-        p._z3_full.untyped_storage().resize_(0)
+        p._z3.gathered -= p.ds_numel
+        if rebind:
+            p._z3_full = None
+        else:
+            p._z3_full.untyped_storage().resize_(0)
     p.ds_status = ZeroParamStatus.NOT_AVAILABLE
     return True
 

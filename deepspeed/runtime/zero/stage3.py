@@ -210,6 +210,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
                 gather_params(to_persist, what="small parameters kept whole (stage3_param_persistence_threshold)")
             for p in to_persist:
                 p.ds_persist = True
+                p._z3.gathered -= p.ds_numel   # whole for good: not part of the gathered working set
 
     @staticmethod
     def _dtype_of(p):
