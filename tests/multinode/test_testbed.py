@@ -2,6 +2,7 @@
 ssh and nothing outside, and a setup that fails half-way leaves nothing behind."""
 import os
 import socket
+import sys
 
 import pytest
 
@@ -18,7 +19,7 @@ def test_hosts_names_addresses_and_isolation(clean_bed):
         assert [line.split()[0] for line in out[2:] if line.strip()] == ["10.77.0.0/24"]
     res = bed.exec("worker-1", ["getent", "hosts", "worker-2"])
     assert res.stdout.split() == [bed.addrs["worker-2"], "worker-2"]
-    res = bed.exec("worker-1", ["python3", "-c", "import socket; s = socket.socket(); s.settimeout(2); "
+    res = bed.exec("worker-1", [sys.executable, "-S", "-c", "import socket; s = socket.socket(); s.settimeout(2); "
                                 "s.connect(('192.0.2.1', 80))"], check=False)
     assert res.returncode != 0 and "Network is unreachable" in res.stderr
 

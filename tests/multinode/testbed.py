@@ -262,6 +262,10 @@ class TestBed:
             subprocess.run([self.ip, "netns", "del", name], capture_output=True, timeout=20)
         for etc in self._etc:
             shutil.rmtree(etc, ignore_errors=True)
+        try:
+            os.rmdir("/etc/netns")            # only when empty (another bed may be using it)
+        except OSError:
+            pass
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def leftovers(self) -> List[str]:
