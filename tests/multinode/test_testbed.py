@@ -2,11 +2,12 @@
 ssh and nothing outside, and a setup that fails half-way leaves nothing behind."""
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
 
-from tests.multinode.testbed import TestBed, unavailable_reason
+from tests.multinode.testbed import TestBed, sweep_stale, unavailable_reason
 
 
 def test_hosts_names_addresses_and_isolation(clean_bed):
@@ -41,3 +42,17 @@ def test_failed_setup_leaves_nothing(monkeypatch):
     assert not os.path.exists(bed.dir)
     assert bed.sshd["worker-0"].poll() is not None         # the sshd that did start is gone
     assert socket.gethostname() != "worker-0"              # this machine's own name untouched
+
+
+def test_stale_bed_of_a_killed_session_is_swept():
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"multi-node test bed unavailable: {reason}")
+    with open("/proc/sys/kernel/pid_max") as f:
+        dead = int(f.read()) + 1                            # no process can have this id
+    name = f"dsmn{dead}-worker-0"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=20)
+    os.makedirs(f"/etc/netns/{name}", exist_ok=True)
+    assert name in sweep_stale()
+    assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not os.path.exists(f"/etc/netns/{name}")

@@ -20,12 +20,15 @@ repository and pytest's ``tmp_path`` are the same paths on every node.
 
 ``teardown`` kills every process in every namespace, deletes the namespaces (and with
 them the veths and the bridge) and the ``/etc/netns`` entries; it runs also after a
-failed setup. ``unavailable_reason()`` says why a bed cannot be built here (not root, no
+failed setup; a bed left by a killed session is swept by the next ``setup``.
+``unavailable_reason()`` says why a bed cannot be built here (not root, no
 ``ip``/``sshd``/``pdsh``/``mpirun``, namespaces forbidden), so tests skip with that reason.
 """
 from __future__ import annotations
 
+import glob
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -79,12 +82,37 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
+def sweep_stale(ip: Optional[str] = None) -> List[str]:
+    """Remove the namespaces (and /etc/netns entries, temporary directories) of beds whose
+    process is gone (a test session killed with SIGKILL cannot tear down); returns their names."""
+    ip = ip or which("ip")
+    res = subprocess.run([ip, "netns", "list"], capture_output=True, text=True, timeout=20)
+    removed = []
+    for line in res.stdout.splitlines():
+        m = re.match(r"^(dsmn(\d+)-\S+)", line.strip())
+        if not m or os.path.exists(f"/proc/{m.group(2)}"):
+            continue
+        name = m.group(1)
+        pids = subprocess.run([ip, "netns", "pids", name], capture_output=True, text=True, timeout=20).stdout
+        for pid in pids.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run([ip, "netns", "del", name], capture_output=True, timeout=20)
+        shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
+        for d in glob.glob(os.path.join(tempfile.gettempdir(), f"dsmn{m.group(2)}-*")):
+            shutil.rmtree(d, ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
 class TestBed:
     __test__ = False  # not a pytest class
 
     def __init__(self, n_nodes: int = 3, prefix: Optional[str] = None):
         self.n = n_nodes
-        self.prefix = prefix or f"dsmn{os.getpid() % 100000}"
+        self.prefix = prefix or f"dsmn{os.getpid()}"
         self.ip = which("ip")
         self.hosts = [f"worker-{i}" for i in range(n_nodes)]
         self.addrs = {h: f"{SUBNET}.{10 + i}" for i, h in enumerate(self.hosts)}
@@ -96,6 +124,7 @@ class TestBed:
 
     # -- setup -----------------------------------------------------------------
     def setup(self) -> "TestBed":
+        sweep_stale(self.ip)
         try:
             self._network()
             self._keys_and_configs()
