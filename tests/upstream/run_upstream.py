@@ -266,6 +266,10 @@ KNOWN += [
      "builds a tensor on get_accelerator().current_device(), which no CPU accelerator can"),
     (r"cast_to_byte_tensor", "remaining", "UtilsBuilder().load() has no cast_to_byte_tensor (a uint8 view of "
      "each tensor): deepspeed/ops/op_builder/flatten_op.py, another owner"),
+    (r"DistributedDataParallel device_ids and output_device", "out_of_scope",
+     "the test's DDP reference is built with device_ids (an accelerator): fails on the real DeepSpeed on CPU too"),
+    (r"has no attribute 'scale'", "remaining", "engine.scale(loss) and the user-driven loss.backward() path "
+     "(DeepSpeed 0.19) are not built: gradients are reduced inside engine.backward"),
     (r"test_non_strict_load_sparse", "remaining", "load_checkpoint does not take sparse_tensor_module_names from "
      "the checkpoint (DeepSpeed replaces the engine's set with the saved one); checkpoint code has another owner"),
 ]
