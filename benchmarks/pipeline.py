@@ -7,8 +7,10 @@
    ``train_batch`` between barriers (wall time ``T``, the same on every stage):
    ``bubble = 1 - compute / T`` (compute = time inside ForwardPass/BackwardPass) and
    ``recv_wait / T`` (time blocked in receives), against the 1F1B theory
-   ``(p - 1) / (m + p - 1)``, at p = 2, 4 and several m. Medians over repeats, with the
-   spread (max - min).
+   ``(p - 1) / (m + p - 1)``, at p = 2, 4 and m = 1, 2, 4, ... up to 4p. Medians over
+   repeats, with the spread (max - min); where the time goes (wall time per instruction
+   class and stage), the p2p messages sent and the receives posted ahead per batch, and the
+   machine's load average before and after.
 2. Activation memory. The same layer saves one activation tensor for backward; a weakref
    counts how many are alive. Peak per stage for 1F1B against the schedule's buffer bound
    ``min(p - s, m)``, and for an all-forwards-then-all-backwards (GPipe) schedule, which
@@ -19,7 +21,8 @@
    and as plain data parallelism over 2 processes (DeepSpeedEngine, 4 micro-batches of
    4 per rank), in the same run; median step time and the ratio.
 
-Prints one JSON object. Usage: ``python benchmarks/pipeline.py [--quick]``.
+Prints one JSON object. Usage: ``python benchmarks/pipeline.py [--quick] [--only bubble|step]
+[--stages 2 4] [--no-interleaved]``.
 """
 from __future__ import annotations
 
