@@ -249,7 +249,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
                     for i, names in enumerate(shards)]
             index_file = os.path.join(output_dir, weights + ".index.json")
         out = output_dir
-    buffer_file = os.path.join(os.path.dirname(plan[0][0]) or ".", f".{os.path.basename(plan[0][0])}.fp32-buffer.tmp")
+    buffer_file = os.path.join(os.path.dirname(plan[0][0]) or ".", f".{os.path.basename(plan[0][0])}.{os.getpid()}.fp32-buffer.tmp")
     written = []
     try:
         # One file-backed fp32 buffer receives every assembled parameter: pages go to the
@@ -273,7 +273,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
             for alias, target in aliases.items():   # a tied name travels with its tensor
                 if target in shard:
                     shard[alias] = shard[target]
-            part = path + ".part"
+            # per-process temporary name: every rank may convert the same checkpoint at once (DeepSpeed's
+            # own tests call it on each rank); each renames its complete file over the same final path
+            part = f"{path}.{os.getpid()}.part"
             written.append(part)
             if safe_serialization and not single_file:
                 # safetensors refuses shared storage: each tied name gets its own copy there
@@ -286,10 +288,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
         if index_file is not None:
             import json
             size = sum(nbytes(n) for n, _ in entries)
-            with open(index_file + ".part", "w", encoding="utf-8") as f:
+            index_part = f"{index_file}.{os.getpid()}.part"
+            written.append(index_part)
+            with open(index_part, "w", encoding="utf-8") as f:
                 f.write(json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map},
                                    indent=2, sort_keys=True) + "\n")
-            os.replace(index_file + ".part", index_file)
+            os.replace(index_part, index_file)
     finally:
         for f in [buffer_file] + written:
             if os.path.exists(f):

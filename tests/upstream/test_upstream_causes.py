@@ -239,6 +239,19 @@ def _body(rank, ws, out_dir):
         out["fp16_values"] = max((got.state_dict()[n].float() - trained[n].half().float()).abs().max().item()
                                  for n in trained)
     dist.barrier()
+    # every rank converts into the same directory at once (DeepSpeed's own test does): no shared temp file
+    both = os.path.join(out_dir, "fp32_both")
+    convert_zero_checkpoint_to_fp32_state_dict(ckpt, both, max_shard_size=100)
+    dist.barrier()
+    with open(os.path.join(both, "pytorch_model.bin.index.json")) as f:
+        both_index = json.load(f)
+    both_sd = {}
+    for s in sorted(set(both_index["weight_map"].values())):
+        both_sd.update(torch.load(os.path.join(both, s), weights_only=True))
+    out["both_ranks_convert"] = (sorted(os.listdir(both)) == sorted(set(both_index["weight_map"].values())) +
+                                 ["pytorch_model.bin.index.json"],
+                                 max((both_sd[n] - t).abs().max().item() for n, t in trained.items()))
+    dist.barrier()
 
     # safe_set_full_grad at stage 2: the step uses the gradient written (SGD: p - lr * g)
     lin = torch.nn.Linear(3, 2)
@@ -310,6 +323,7 @@ def test_deepspeed_unit_test_causes_on_two_ranks(tmp_path):
         assert r["bad_dirs"] == ["ValueError", "ValueError"]
         assert r["clip_norm"][0] == pytest.approx(r["clip_norm"][1], rel=1e-6)
         assert r["overflow"] == (True, True)
+        assert r["both_ranks_convert"][0] and r["both_ranks_convert"][1] < 1e-6   # no temp files left, values
     assert r0["tied_one_tensor"] and r0["fp32_err"] < 1e-6
     n, first, names_ok, values_ok = r0["shards"]
     assert n > 1 and first == f"pytorch_model-00001-of-{n:05d}.bin" and names_ok and values_ok
