@@ -81,6 +81,11 @@ def run_elastic(args, procs_per_node: int, num_nodes: int, env: Dict[str, str]) 
 
     lo, hi = node_range(args, num_nodes)
     cmd = worker_command(args)
+    # torch shares the rendezvous TCP store with the workers by default, and then writes the
+    # workers' MASTER_ADDR/PORT only in the first round a node is rank 0: a node that joins
+    # later waits for that key in the new round forever (torch 2.13; found on the multi-host
+    # test bed). Without sharing every round publishes a fresh address and port.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     params = RendezvousParameters(backend="c10d", endpoint=f"{args.master_addr}:{args.master_port}",
                                   run_id=run_id(os.environ), min_nodes=lo, max_nodes=hi,
                                   # the rendezvous store lives with node 0 (--master_addr), never elsewhere:

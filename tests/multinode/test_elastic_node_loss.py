@@ -39,12 +39,16 @@ GAS_RESUME_BUG = ("load_checkpoint restores micro_steps from a run with another 
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-def start_elastic_nodes(bed, workdir, env, port, steps=STEPS, step_sleep=0.5, run_id="node-loss"):
-    """Start one elastic agent per host (worker-0, worker-1); returns {host: Popen}."""
+def start_elastic_nodes(bed, workdir, env, port, steps=STEPS, step_sleep=0.5, run_id="node-loss",
+                        hosts=("worker-0", "worker-1")):
+    """Start one elastic agent on each of ``hosts`` (of the job's two, worker-0 and worker-1);
+    returns {host: Popen}."""
     hostfile = bed.hostfile(os.path.join(workdir, "hostfile"), slots=1, hosts=["worker-0", "worker-1"])
     env = dict(env, DS_ELASTIC_RDZV_CONF=RDZV_CONF, ELASTIC_RUN_ID=run_id)
     procs = {}
     for i, h in enumerate(["worker-0", "worker-1"]):
+        if h not in hosts:
+            continue
         argv = [DEEPSPEED, "--hostfile", hostfile, "--elastic_training", "--no_ssh", "--node_rank", str(i),
                 "--master_addr", "worker-0", "--master_port", str(port), "--min_elastic_nodes", "1",
                 "--max_elastic_nodes", "2", JOB, "--out", workdir, "--ckpt", os.path.join(workdir, "ckpt"),
@@ -129,6 +133,44 @@ def test_elastic_job_survives_node_loss(clean_bed, tmp_path, job_env):
     assert first["restart"] > max(r["restart"] for r in before)
     assert first["resumed_from"] == first["step"]
     assert last_logged + 1 <= first["resumed_from"] <= last_logged + 2, (last_logged, first)
+    final = torch.load(os.path.join(workdir, "final.pt"))
+    for got, want in zip(final, ref_params):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_elastic_job_grows_when_a_node_joins(clean_bed, tmp_path, job_env):
+    """The other direction: worker-0 trains alone (world size 1, 2 accumulation steps); worker-1's
+    agent joins mid-training; both restart their workers from the latest checkpoint at world
+    size 2 (1 accumulation step, global batch still 8) and finish, with the losses and final
+    parameters of the uninterrupted plain PyTorch run."""
+    from tests.helpers.dist import free_port
+    workdir, port, steps = str(tmp_path), free_port(), 16
+    # a second per step: time for worker-1's agent to start and join while worker-0 trains
+    start = dict(steps=steps, step_sleep=1.0, run_id="node-join")
+    procs = start_elastic_nodes(clean_bed, workdir, job_env, port, hosts=("worker-0",), **start)
+    try:
+        wait_for(lambda: sum(r["world"] == 1 for r in read_log(workdir)) >= 3, 240, "3 steps at world size 1", procs)
+        joined_at = time.time()
+        procs.update(start_elastic_nodes(clean_bed, workdir, job_env, port, hosts=("worker-1",), **start))
+        for h, p in procs.items():
+            assert p.wait(timeout=240) == 0, open(os.path.join(workdir, f"{h}.log")).read()[-6000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    log = read_log(workdir)
+    ref_losses, ref_params = reference_losses_and_params(steps)
+    assert sorted({r["step"] for r in log}) == list(range(steps))
+    for r in log:
+        assert r["loss"] == pytest.approx(ref_losses[r["step"]], rel=1e-5, abs=1e-6), r
+    before = [r for r in log if r["time"] <= joined_at]
+    after = [r for r in log if r["time"] > joined_at and r["world"] == 2]
+    assert before and {(r["world"], r["gas"], r["train_batch_size"]) for r in before} == {(1, 2, 8)}
+    assert after and {(r["gas"], r["train_batch_size"]) for r in after} == {(1, 8)}
+    assert after[0]["resumed_from"] == after[0]["step"] >= 3
+    # (a membership change restarts the workers without counting a failure: the restart count stays)
     final = torch.load(os.path.join(workdir, "final.pt"))
     for got, want in zip(final, ref_params):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
