@@ -9,6 +9,9 @@ uninterrupted single-process plain PyTorch run on the same global batches: every
 loss (before and after the loss of the node) and the final parameters; the global batch
 stays 8 (2 x 4 x 1 before, 1 x 4 x 2 after: the ``elasticity`` section's choice).
 
+The second test is the other direction: a node joins a running job, which grows to world
+size 2 from the latest checkpoint.
+
 (tests/elasticity covers compute_elastic_config, the engine's elastic batch sizes and a
 one-node worker restart; this is the multi-host case.)
 """
