@@ -30,8 +30,16 @@ def _owner(param):
     return getattr(param, "_ds_state_owner", None)
 
 
+def _frozen(param) -> bool:
+    """A parameter that does not require grad has no optimizer-held state: DeepSpeed's getters
+    return None for it (fp32 master, gradient, optimizer state; full and local)."""
+    return not param.requires_grad
+
+
 def safe_get_full_fp32_param(param):
     """The full fp32 master weights of ``param`` (shape of the parameter)."""
+    if _frozen(param):
+        return None
     o = _owner(param)
     if o is None:
         return param.detach().float().clone()
@@ -40,6 +48,8 @@ def safe_get_full_fp32_param(param):
 
 def safe_get_full_grad(param):
     """The full averaged gradient of ``param`` in fp32, or None if it has none."""
+    if _frozen(param):
+        return None
     o = _owner(param)
     if o is None:
         return None if param.grad is None else param.grad.detach().float().clone()
@@ -48,6 +58,8 @@ def safe_get_full_grad(param):
 
 def safe_get_full_optimizer_state(param, optim_state_key):
     """The full optimizer state ``optim_state_key`` (e.g. ``"exp_avg"``) of ``param``, or None."""
+    if _frozen(param):
+        return None
     o = _owner(param)
     if o is None:
         return None
@@ -75,11 +87,15 @@ def safe_set_full_optimizer_state(param, value, optim_state_key):
 
 def safe_get_local_fp32_param(param):
     """This rank's fragment of the fp32 master (1-D), or None if it owns none of it."""
+    if _frozen(param):
+        return None
     o = _owner(param)
     return param.detach().float().reshape(-1) if o is None else o.local_fp32_param(param)
 
 
 def safe_get_local_grad(param):
+    if _frozen(param):
+        return None
     o = _owner(param)
     if o is None:
         return None if param.grad is None else param.grad.detach().float().reshape(-1)
@@ -87,6 +103,8 @@ def safe_get_local_grad(param):
 
 
 def safe_get_local_optimizer_state(param, optim_state_key):
+    if _frozen(param):
+        return None
     o = _owner(param)
     return None if o is None else o.local_optimizer_state(param, optim_state_key)
 

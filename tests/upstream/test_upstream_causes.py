@@ -403,3 +403,22 @@ def test_set_log_level_from_string_sets_logger_and_handlers():
         logger.setLevel(before[0])
         for h, lv in zip(logger.handlers, before[1]):
             h.setLevel(lv)
+
+
+def test_safe_getters_return_none_for_frozen_parameters():
+    """DeepSpeed keeps no fp32 master, gradient or optimizer state for a parameter that does not
+    require grad: every safe_get_* returns None for it (test_zero_tensor_fragment's validate_tensor)."""
+    import deepspeed
+    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
+                                 safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state)
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    eng, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 0,
+                                                        "optimizer": {"type": "Adam", "params": {"lr": 0.1}}})
+    eng.backward(eng(torch.ones(1, 3)).sum())
+    getters = [safe_get_full_fp32_param, safe_get_full_grad, safe_get_local_fp32_param, safe_get_local_grad]
+    assert [g(model.bias) for g in getters] == [None] * 4
+    assert safe_get_full_optimizer_state(model.bias, "exp_avg") is None
+    assert safe_get_local_optimizer_state(model.bias, "exp_avg") is None
+    assert all(g(model.weight) is not None for g in getters)
+    eng.destroy()
