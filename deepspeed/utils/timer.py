@@ -131,3 +131,16 @@ class ThroughputTimer:
         if self.counted_steps == 0 or self.total_elapsed == 0:
             return 0.0
         return self.batch_size * self.counted_steps / self.total_elapsed
+
+
+def trim_mean(data, trim_percent: float) -> float:
+    """Mean of ``data`` after dropping ``round(len * trim_percent)`` values from each end (of a sorted
+    copy: the argument is not reordered). 0 for an empty list."""
+    if not 0.0 <= trim_percent <= 1.0:
+        raise ValueError(f"trim_mean: trim_percent must be in [0, 1], got {trim_percent}")
+    n = len(data)
+    if n == 0:
+        return 0
+    k = int(round(n * trim_percent))
+    kept = sorted(data)[k:n - k]
+    return sum(kept) / len(kept) if kept else 0

@@ -422,3 +422,12 @@ def test_safe_getters_return_none_for_frozen_parameters():
     assert safe_get_local_optimizer_state(model.bias, "exp_avg") is None
     assert all(g(model.weight) is not None for g in getters)
     eng.destroy()
+
+
+def test_trim_mean_sorted_copy():
+    from deepspeed.utils.timer import trim_mean
+    data = [3.0, 1.0, 2.0, 100.0, 0.0]
+    assert trim_mean(data, 0.2) == 2.0 and data == [3.0, 1.0, 2.0, 100.0, 0.0]   # drops 0 and 100, keeps order
+    assert trim_mean([], 0.1) == 0
+    with pytest.raises(ValueError, match="trim_percent"):
+        trim_mean(data, 1.5)
