@@ -282,6 +282,13 @@ KNOWN += [
     (r"TestUlyssesSPHFFlexAttention", "out_of_scope", "PyTorch's FlexAttention has no backward on CPU"),
     (r"test_comms_logger\.py", "remaining", "CommsLogger lacks DeepSpeed's start_profiling_comms / "
      "stop_profiling_comms / get_operation_summary / get_raw_data (deepspeed/comm, another owner)"),
+    (r"test_stage2_flatten_on_gpu\.py|bit16_groups_flat", "deviation",
+     "pins stage_1_and_2 internals (bit16_groups_flat and its 'Flattening param group' log line)"),
+    (r"TestPipeModuleCheckpointInterval|pipeline\.use_reentrant", "remaining",
+     "PipelineModule's checkpoint-interval setter and pipeline.use_reentrant (DeepSpeed 0.19): pipe/, another "
+     "owner"),
+    (r"ws4_model_checkpoint|distributed_fixture' not found", "out_of_scope",
+     "the fixture runs at world size 4 (skipped here: 2 CPU ranks), so the test has no fixture"),
     (r"test_non_strict_load_sparse", "remaining", "load_checkpoint does not take sparse_tensor_module_names from "
      "the checkpoint (DeepSpeed replaces the engine's set with the saved one); checkpoint code has another owner"),
 ]
