@@ -217,7 +217,7 @@ class GatherHandle:
         self.works = works
         self.keep = keep       # device copies of host partitions, alive until the gather ends
         self.swapped = swapped  # (swapper, params) whose NVMe partitions are held until the gather ends
-        self.flat = flat       # (rank-major gathered buffer, partition sizes) of a one-collective gather
+        self.flat = flat       # [(rank-major gathered buffer, params, partition sizes)] of flat gathers
         self.done = False
 
     def wait(self) -> None:
@@ -230,14 +230,16 @@ class GatherHandle:
         finally:
             _release_swapped(self.swapped)
             self.swapped = ()
-        if self.flat is not None:
-            out, sizes = self.flat
+        self.works = []   # a finished work still holds its tensors: the gathered buffers go with it
+        flats, self.flat = self.flat or [], None
+        while flats:   # each gathered piece: full buffers now, one fused copy, then the piece goes
+            out, ps, sizes = flats.pop(0)
             rows = out.view(-1, sum(sizes))
             with torch.no_grad():
                 torch.split_with_sizes_copy(rows, sizes, dim=1,
-                                            out=[p._z3_full[:rows.shape[0] * s].view(-1, s)
-                                                 for p, s in zip(self.params, sizes)])
-            self.flat = None
+                                            out=[_full_buffer(p)[:rows.shape[0] * s].view(-1, s)
+                                                 for p, s in zip(ps, sizes)])
+            del out, rows
         for p in self.params:
             p.data = p._z3_full[:p.ds_numel].view(p.ds_shape)
             p.ds_status = ZeroParamStatus.AVAILABLE
@@ -359,6 +361,28 @@ def _set_inflight(p) -> None:
     p._z3.gathered += p.ds_numel
 
 
+# Most elements one flat gather's rank-major buffer holds: the transient above a per-parameter
+# gather is one such buffer while its piece is copied out. Parameters larger than this are
+# gathered one by one straight into their buffers (no copy at all); smaller ones in batches.
+FLAT_GATHER_ELEMENTS = 2 ** 19
+
+
+def _pieces(params, world_size: int):
+    """``params`` in runs whose gathered size stays within FLAT_GATHER_ELEMENTS (a larger
+    parameter is a run of its own)."""
+    out, cur, n = [], [], 0
+    for p in params:
+        k = p.ds_tensor.numel() * world_size
+        if cur and n + k > FLAT_GATHER_ELEMENTS:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(p)
+        n += k
+    if cur:
+        out.append(cur)
+    return out
+
+
 def _flat_input(parts) -> torch.Tensor:
     """``parts`` as one flat tensor: a view when they lie back to back in one storage (the
     partitions of parameters adjacent in a master chunk), else one concatenation."""
@@ -446,18 +470,30 @@ def gather_params(params, async_op: bool = False, what: str = "", alias: bool = 
             held.append((sw, ps))
         works, keep = [], []
         if len(todo) > 1 and len({(p.ds_tensor.dtype, p._z3.device) for p in todo}) == 1:
-            # one collective for all: partitions in (one flat input), rank-major flat buffer out
-            sizes = [p.ds_tensor.numel() for p in todo]
-            src = _flat_input([p.ds_tensor for p in todo])
-            if src.device != todo[0]._z3.device:
-                src = src.to(todo[0]._z3.device, non_blocking=True)
-            keep.append(src)
-            out = torch.empty(comm.world_size * src.numel(), dtype=src.dtype, device=src.device)
-            for p in todo:
-                _full_buffer(p)
-                _set_inflight(p)
-            works.append(comm.all_gather_into(out, src, async_op=async_op))
-            flat = (out, sizes)
+            # one collective per piece of at most FLAT_GATHER_ELEMENTS gathered elements: the
+            # partitions in as one flat input, a rank-major flat buffer out; the full buffers are
+            # made when the piece has arrived (GatherHandle.wait), so a piece in flight holds
+            # its gathered size once, as a per-parameter gather does
+            flat = []
+            for piece in _pieces(todo, comm.world_size):
+                if len(piece) == 1:
+                    p = piece[0]
+                    src = p.ds_tensor if p.ds_tensor.device == p._z3.device else \
+                        p.ds_tensor.to(p._z3.device, non_blocking=True)
+                    keep.append(src)
+                    works.append(comm.all_gather_into(_full_buffer(p), src, async_op=async_op))
+                    _set_inflight(p)
+                    continue
+                sizes = [p.ds_tensor.numel() for p in piece]
+                src = _flat_input([p.ds_tensor for p in piece])
+                if src.device != piece[0]._z3.device:
+                    src = src.to(piece[0]._z3.device, non_blocking=True)
+                keep.append(src)
+                out = torch.empty(comm.world_size * src.numel(), dtype=src.dtype, device=src.device)
+                for p in piece:
+                    _set_inflight(p)
+                works.append(comm.all_gather_into(out, src, async_op=async_op))
+                flat.append((out, piece, sizes))
         else:
             for p in todo:
                 full = _full_buffer(p)
@@ -494,18 +530,18 @@ def _gather_secondary(todo, async_op: bool, what: str):
     comm.check(KIND_GATHER, [p.ds_id for p in todo], sum(sizes) * comm.world_size,
                (what + " from hpZ secondary partitions") if what else comm.describe(todo))
     for p in todo:
-        _full_buffer(p)
         _set_inflight(p)
     try:
         if len(todo) == 1:
             p = todo[0]
-            works = [comm.all_gather_into(p._z3_full[:sizes[0] * comm.world_size], p._z3_sec, async_op=async_op)]
+            works = [comm.all_gather_into(_full_buffer(p)[:sizes[0] * comm.world_size], p._z3_sec,
+                                          async_op=async_op)]
             flat, keep = None, []
         else:
             src = torch.cat([p._z3_sec for p in todo])
             out = torch.empty(comm.world_size * src.numel(), dtype=src.dtype, device=src.device)
             works = [comm.all_gather_into(out, src, async_op=async_op)]
-            flat, keep = (out, sizes), [src]
+            flat, keep = [(out, todo, sizes)], [src]
     except BaseException:
         for p in todo:
             if p.ds_status == ZeroParamStatus.INFLIGHT:

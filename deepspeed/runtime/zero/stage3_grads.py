@@ -2,14 +2,14 @@
 
 Gradient hooks hand each parameter's full gradient to :class:`GradReducer` as soon
 as autograd has accumulated it (``p.grad`` is taken, not copied). When the pending
-gradients fill a bucket - at most ``reduce_bucket_size`` elements (``cap =
+gradients reach half a bucket - ``reduce_bucket_size / 2`` elements (``cap =
 reduce_bucket_size / N`` columns, never more than the trainable parameters need) -
 one fused ``torch._chunk_cat`` lays them out as an ``(N, cols)`` buffer whose row
 ``r`` holds rank ``r``'s slice of every pending gradient (zero-padded), the full
 gradients are dropped, and the buffer is reduce-scattered asynchronously (its rows
-are the per-rank inputs). One bucket reduces while the next fills, which bounds the
-transient memory by about three buckets (pending gradients, the bucket being laid
-out, the one in flight). Each rank receives its averaged slice of every parameter
+are the per-rank inputs). Pending gradients and their laid-out copy together stay
+within ``reduce_bucket_size`` elements; one such buffer reduces while the next
+fills. Each rank receives its averaged slice of every parameter
 of the bucket. The columns are ordered by the owner's layout (``order``), so a
 ``sink_many`` can add runs of adjacent partitions with one operation each; without
 it, ``sink(param, slice)`` per parameter. No per-parameter copy on the hot path.
@@ -65,11 +65,15 @@ class GradReducer:
         s = p.ds_tensor.numel()
         if s == 0:
             return
-        if self.pending and self.pending_cols + s > self.cap:
+        # launched at half a bucket: the pending full gradients and the buffer they are laid out
+        # into then fit together in reduce_bucket_size elements, the memory one bucket had when
+        # each gradient was copied in on arrival
+        half = max(1, self.cap // 2)
+        if self.pending and self.pending_cols + s > half:
             self._launch()
         self.pending.append((p, grad, s))
         self.pending_cols += s
-        if self.pending_cols >= self.cap:
+        if self.pending_cols >= half:
             self._launch()
 
     def flush(self) -> None:
