@@ -74,8 +74,6 @@ def test_config_rules(monkeypatch):
     assert DeepSpeedConfig(off, world_size=2).train_micro_batch_size_per_gpu == 4
 
 
-@pytest.mark.xfail(strict=True, reason="load_checkpoint restores micro_steps saved under another gradient "
-                                       "accumulation (runtime/checkpoint/engine_checkpoint.py); remove with the fix")
 def test_resume_with_other_accumulation_keeps_boundaries(tmp_path):
     """What an elastic restart does at a new world size: the checkpoint was written with one
     gradient-accumulation count (here 1: micro 8), training resumes with another (2: micro 4),

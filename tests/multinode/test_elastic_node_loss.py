@@ -31,14 +31,9 @@ JOB = os.path.join(REPO, "tests", "multinode", "elastic_job.py")
 STEPS = 10
 # Short rendezvous waits: a round with enough nodes waits 2 s for more; a node whose
 # heartbeat (every 1 s) is missing 3 times is dead. (torch's defaults: 30 s, 5 s x 3.)
-# Known engine bug (deepspeed/runtime/checkpoint/engine_checkpoint.py, not this package's):
-# load_checkpoint restores the saved micro_steps, so after resuming with another gradient
-# accumulation (world size 2 -> 1: 1 -> 2 steps) the accumulation boundaries are off by one
-# and the first resumed step updates after one micro-batch. DeepSpeed does not restore
-# micro_steps. Verified: with micro_steps = global_steps * gradient_accumulation_steps()
-# after the load, this test passes. Remove the xfail with the fix.
-GAS_RESUME_BUG = ("load_checkpoint restores micro_steps from a run with another gradient accumulation "
-                  "(engine_checkpoint.py): accumulation boundaries misaligned after an elastic resume")
+# Resuming with another gradient accumulation (world size 2 -> 1: 1 -> 2 steps) must start a
+# fresh accumulation window (load_checkpoint recomputes micro_steps then; it once restored the
+# saved count and the first resumed step updated after one micro-batch).
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
@@ -99,7 +94,6 @@ def reference_losses_and_params(steps):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=GAS_RESUME_BUG)
 def test_elastic_job_survives_node_loss(clean_bed, tmp_path, job_env):
     from tests.helpers.dist import free_port
     workdir = str(tmp_path)

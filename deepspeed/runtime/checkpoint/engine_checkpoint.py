@@ -285,7 +285,13 @@ def _load_engine_checkpoint(engine, reader, load_module_strict, load_optimizer_s
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     engine.global_steps = state["global_steps"]
     engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
-    engine.micro_steps = state.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps())
+    # micro_steps places the next accumulation boundary: keep the saved count only where it is a
+    # position inside the current accumulation window (same gradient_accumulation_steps); a job
+    # resumed with another accumulation count (elastic, another world size) starts a window
+    gas = engine.gradient_accumulation_steps()
+    at_boundary = engine.global_steps * gas
+    saved = state.get("micro_steps", at_boundary)
+    engine.micro_steps = saved if 0 <= saved - at_boundary < gas else at_boundary
     engine.skipped_steps = state.get("skipped_steps", 0)
     load_feature_checkpoint_state(engine, state)
     rank = dist.get_rank() if dist.is_initialized() else 0
