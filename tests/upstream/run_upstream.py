@@ -294,6 +294,12 @@ KNOWN += [
      "test fails on the real DeepSpeed on CPU too"),
     (r"step_subgroup|rollback_subgroup", "remaining", "DeepSpeedCPUAdam.step_subgroup / rollback_subgroup "
      "(per-sub-group step with rollback, DeepSpeed 0.19) not built: deepspeed/ops, another owner"),
+    (r"test_zero_fragments\[none-3-local", "remaining", "ZeRO-3's local fragment getters (safe_get_local_*) "
+     "end a rank's process: ZeRO-3 core, the lead's rewrite"),
+    (r"test_one_cycle_accepts_per_group_lr_and_momentum_lists", "remaining",
+     "OneCycle's cycle_min_mom / cycle_max_mom as per-group lists (DeepSpeed 0.19) are refused here"),
+    (r"TestOptimizerImplementation", "remaining", "the (model dtype x grad_accum_dtype x ZeRO stage) matrix "
+     "DeepSpeed 0.19 accepts or refuses with NotImplementedError differs from ours; not triaged in this pass"),
     (r"test_non_strict_load_sparse", "remaining", "load_checkpoint does not take sparse_tensor_module_names from "
      "the checkpoint (DeepSpeed replaces the engine's set with the saved one); checkpoint code has another owner"),
 ]
