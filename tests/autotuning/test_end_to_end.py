@@ -52,6 +52,7 @@ def _check_consistent(res_dir, measured):
     return opt, best
 
 
+@pytest.mark.slow   # make test budget: a whole-script run (~12-21 s); make test-all runs it
 def test_autotuning_run_tunes_then_trains_with_the_fastest_config(tmp_path):
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": 0},

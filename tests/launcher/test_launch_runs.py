@@ -171,7 +171,8 @@ rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc
 """
 
 
-@pytest.mark.parametrize("launcher", ["ssh", pytest.param("pdsh", marks=pytest.mark.slow)])   # one in make test
+# both slow: tests/multinode runs pdsh (make test) and ssh (test-all) across real namespace hosts
+@pytest.mark.parametrize("launcher", [pytest.param("ssh", marks=pytest.mark.slow), pytest.param("pdsh", marks=pytest.mark.slow)])
 def test_two_nodes_through_local_stand_in(tmp_path, launcher):
     """The ssh and pdsh back-ends for real, with the tool replaced by a script that runs
     the remote command in a local shell: exercises quoting, cd, exports, node ranks and

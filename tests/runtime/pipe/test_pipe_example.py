@@ -3,10 +3,12 @@ import json
 import os
 import subprocess
 import sys
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
+@pytest.mark.slow   # make test budget: a whole-script run (~12-21 s); make test-all runs it
 def test_train_gpt_pipe_short_run(tmp_path):
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_procs", "2", "--master_port", "0", os.path.join(ROOT, "examples", "train_gpt_pipe.py"),

@@ -130,6 +130,7 @@ def _child(stage, path, *size, stderr=subprocess.PIPE):
                             text=True)
 
 
+@pytest.mark.slow   # make test budget: a whole-script run (~12-21 s); make test-all runs it
 def test_save_and_load_stay_out_of_anonymous_memory(tmp_path):
     procs = {}
     for stage in (3, 2):                     # both at once: one per core
