@@ -350,6 +350,9 @@ class ParameterCoordinator:
     def _pre_forward(self, module, args):
         if module is self.module and not _in_backward():
             self.new_step()   # also a step boundary for forwards that bypass the engine (generation)
+            for m in module.modules():   # submodules attached after initialize: DeepSpeed's prologue
+                if type(m.__dict__.get("_parameters")) is not ZeROOrderedDict:
+                    ensure_zero_ordered_dict(m)
         FWD_MODULE_STACK.append((module, self))
         ext = module.__dict__.get("_external_params")
         if ext:   # read by this module: kept while it runs, whoever else releases in between

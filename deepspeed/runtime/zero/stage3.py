@@ -367,6 +367,24 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
             dist.all_reduce(t, group=mpu.get_model_parallel_group())
         return float(t.item())
 
+    def _get_norm_groups(self) -> list:
+        """DeepSpeed's name: the L2 norm of the current gradient partitions of each optimizer
+        parameter group, over all ranks (one fp32 0-d tensor per group; collective). It reads
+        the partitions as they are now, so ``safe_set_local_grad`` edits show."""
+        n = len(self.parts.group_hparams)
+        sq = torch.zeros(n, dtype=torch.float64)
+        for c in self.parts.chunks:
+            g = c.grad
+            sq[c.group] += float(torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2) if g.numel() else 0.0
+        if self.comm.active and dist.get_backend(self.comm.group) != "gloo":
+            sq = sq.to(self.spec.device)
+        self.comm.check(KIND_STEP, [n, -1], n, "the gradient norm of each parameter group")
+        self.comm.all_reduce(sq)
+        mpu = self.ctx.mpu
+        if mpu is not None and mpu.get_model_parallel_world_size() > 1:
+            dist.all_reduce(sq, group=mpu.get_model_parallel_group())
+        return [t.sqrt().to(dtype=torch.float32, device=self.spec.device) for t in sq.unbind(0)]
+
     def step(self, closure=None) -> StepOutcome:
         if closure is not None:
             raise ValueError("engine.optimizer.step(closure) is not supported: a ZeRO-3 step runs after "
