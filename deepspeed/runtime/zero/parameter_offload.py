@@ -343,7 +343,10 @@ class ParameterCoordinator:
         k = bisect.bisect_right(where, pos)
         if k >= len(where):
             return False
-        distance = self.prefix[where[k]] - self.prefix[pos + 1]
+        # elements gathered until the reuse, the reused parameter's own included: with
+        # stage3_max_reuse_distance 0 nothing is kept, even for the very next use (DeepSpeed's
+        # unit tests pin a layer's parameters NOT_AVAILABLE right after its forward then)
+        distance = self.prefix[where[k]] - self.prefix[pos + 1] + p.ds_numel
         return distance <= self.max_reuse and self.live_numel() <= self.max_live
 
     # -- hooks -----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import weakref
 
 import torch
 
@@ -105,11 +106,33 @@ def _alloc_partition(n: int, dtype, spec: PartitionSpec) -> torch.Tensor:
     return t.pin_memory() if spec.pin_memory else t
 
 
+def ds_summary(p, use_debug_name: bool = False) -> dict:
+    """``param.ds_summary()`` (DeepSpeed's name): the partitioned parameter's state in one dict,
+    for messages and debugging. ``use_debug_name`` is accepted; the id is the ``ds_id``."""
+    return {"id": p.ds_id, "status": p.ds_status.name, "numel": p.numel(), "ds_numel": p.ds_numel,
+            "shape": tuple(p.shape), "ds_shape": tuple(p.ds_shape), "requires_grad": p.requires_grad,
+            "grad_shape": tuple(p.grad.shape) if p.grad is not None else None, "persist": p.ds_persist,
+            "active_sub_modules": set(), "ds_tensor.shape": p.ds_tensor.shape if p.ds_tensor is not None else None}
+
+
+class _Summary:
+    """``p.ds_summary()``, holding ``p`` weakly: a bound method stored on the parameter would be a
+    reference cycle that keeps dropped parameters (and their swap-file space) alive until a GC."""
+    __slots__ = ("ref",)
+
+    def __init__(self, p):
+        self.ref = weakref.ref(p)
+
+    def __call__(self, use_debug_name: bool = False) -> dict:
+        return ds_summary(self.ref(), use_debug_name)
+
+
 def convert_param(p: torch.nn.Parameter, spec: PartitionSpec, persist: bool = False, ds_id=None) -> None:
     """Turn ``p`` (holding its full value, identical on every rank) into a partitioned parameter."""
     full = p.data
     n, ws = full.numel(), spec.world_size
     s = partition_size(n, ws)
+    p.ds_summary = _Summary(p)
     p.ds_id = next(_next_id) if ds_id is None else ds_id
     p.ds_shape = full.shape
     p.ds_numel = n
