@@ -67,31 +67,21 @@ def _build(mode, cfg, dev, dtype):
     torch.manual_seed(0)
     model = GPT(**cfg)
     n = sum(p.numel() for p in model.parameters())
-    if mode == "plain":
+    if mode in ("plain", "fsdp2"):
         model = model.to(dev)
+        autocast = mode == "plain" and dtype == "bf16"   # FSDP2 casts through its policy instead
+        if mode == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+                  if dtype == "bf16" else MixedPrecisionPolicy())
+            for b in model.blocks:
+                fully_shard(b, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=dev.type == "cuda")
 
         def step(x, y):
-            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=autocast):
                 loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-        return step, n, None
-    if mode == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        model = model.to(dev)
-        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-              if dtype == "bf16" else MixedPrecisionPolicy())
-        for b in model.blocks:
-            fully_shard(b, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=dev.type == "cuda")
-
-        def step(x, y):
-            loss = model(x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()

@@ -288,20 +288,26 @@ def _release_swapped(swapped) -> None:
         sw.release_resident(ps)
 
 
-def _pool_batches(sw, params):
-    """Split ``params`` into runs whose partitions fit ``sw``'s buffer pool together."""
-    cap = sw.buffer_count * sw.buffer_bytes
-    batches, cur, n = [], [], 0
+def _runs(params, size, cap):
+    """``params`` in order, in runs whose ``size(p)`` sum stays within ``cap`` (a parameter
+    larger than ``cap`` is a run of its own)."""
+    out, cur, n = [], [], 0
     for p in params:
-        b = -(-p.ds_tensor.numel() * p.ds_tensor.element_size() // 4096) * 4096
-        if cur and n + b > cap:
-            batches.append(cur)
+        k = size(p)
+        if cur and n + k > cap:
+            out.append(cur)
             cur, n = [], 0
         cur.append(p)
-        n += b
+        n += k
     if cur:
-        batches.append(cur)
-    return batches
+        out.append(cur)
+    return out
+
+
+def _pool_batches(sw, params):
+    """Split ``params`` into runs whose partitions fit ``sw``'s buffer pool together."""
+    return _runs(params, lambda p: -(-p.ds_tensor.numel() * p.ds_tensor.element_size() // 4096) * 4096,
+                 sw.buffer_count * sw.buffer_bytes)
 
 
 # ---------------------------------------------------------------- ZeRO++ frozen weights kept quantized
@@ -393,17 +399,7 @@ FLAT_GATHER_ELEMENTS = 2 ** 19
 def _pieces(params, world_size: int):
     """``params`` in runs whose gathered size stays within FLAT_GATHER_ELEMENTS (a larger
     parameter is a run of its own)."""
-    out, cur, n = [], [], 0
-    for p in params:
-        k = p.ds_tensor.numel() * world_size
-        if cur and n + k > FLAT_GATHER_ELEMENTS:
-            out.append(cur)
-            cur, n = [], 0
-        cur.append(p)
-        n += k
-    if cur:
-        out.append(cur)
-    return out
+    return _runs(params, lambda p: p.ds_tensor.numel() * world_size, FLAT_GATHER_ELEMENTS)
 
 
 def _flat_input(parts) -> torch.Tensor:
