@@ -5,6 +5,7 @@ being silently ignored. Defaults follow DeepSpeed's config reference.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
@@ -17,13 +18,51 @@ from .base import DSConfigModel
 class FP16Section(DSConfigModel):
     enabled: bool = False
     auto_cast: bool = False
-    loss_scale: float = Field(0.0, ge=0, description="0 means dynamic loss scaling")
+    loss_scale: float = Field(0.0, description="0 means dynamic loss scaling")
     initial_scale_power: int = Field(16, ge=0, le=64)
-    loss_scale_window: int = Field(1000, ge=1)
+    loss_scale_window: int = 1000
     hysteresis: int = Field(2, ge=1)
     consecutive_hysteresis: bool = False
-    min_loss_scale: float = Field(1.0, gt=0)
+    min_loss_scale: float = 1.0
     fp16_master_weights_and_grads: bool = False
+
+    @field_validator("loss_scale", mode="before")
+    @classmethod
+    def _loss_scale_number(cls, v):
+        # pydantic would take True as 1.0 and 'inf' as a scale; DeepSpeed 0.19 refuses both
+        if isinstance(v, bool):
+            raise ValueError("fp16.loss_scale must be a number, not a bool")
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise ValueError("fp16.loss_scale must be a number (0 = dynamic loss scaling)") from None
+        if not math.isfinite(f):
+            raise ValueError("fp16.loss_scale must be a finite number (0 = dynamic loss scaling)")
+        if f < 0:
+            raise ValueError("fp16.loss_scale must be >= 0 (0 = dynamic loss scaling)")
+        return v
+
+    @field_validator("loss_scale_window", "min_loss_scale", mode="before")
+    @classmethod
+    def _dynamic_scale_number(cls, v, info):
+        if isinstance(v, bool):
+            raise ValueError(f"fp16.{info.field_name} must be a number, not a bool")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"fp16.{info.field_name} must be a finite number")
+        return v
+
+    @model_validator(mode="after")
+    def _dynamic_scale_bounds(self):
+        # the window and the floor are read only by the dynamic scaler (enabled, loss_scale 0), as in
+        # DeepSpeed 0.19: a static-scale or disabled section may carry any value for them
+        if self.enabled and self.loss_scale == 0:
+            if self.loss_scale_window < 1:
+                raise ValueError(f"fp16.loss_scale_window = {self.loss_scale_window}: must be >= 1 with dynamic "
+                                 "loss scaling (loss_scale 0)")
+            if self.min_loss_scale <= 0:
+                raise ValueError(f"fp16.min_loss_scale = {self.min_loss_scale}: must be > 0 with dynamic loss "
+                                 "scaling (loss_scale 0)")
+        return self
 
 
 class BF16Section(DSConfigModel):
