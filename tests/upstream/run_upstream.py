@@ -292,8 +292,6 @@ KNOWN += [
     (r"test_cpu_(adam|adagrad|lion)_gpu_error", "out_of_scope",
      "expects the CPU optimizer to refuse a tensor on the accelerator; on CPU device_name(0) is 'cpu', so the "
      "test fails on the real DeepSpeed on CPU too"),
-    (r"step_subgroup|rollback_subgroup", "remaining", "DeepSpeedCPUAdam.step_subgroup / rollback_subgroup "
-     "(per-sub-group step with rollback, DeepSpeed 0.19) not built: deepspeed/ops, another owner"),
     (r"test_zero_fragments\[none-3-local", "remaining", "ZeRO-3's local fragment getters (safe_get_local_*) "
      "end a rank's process: ZeRO-3 core, the lead's rewrite"),
     (r"test_one_cycle_accepts_per_group_lr_and_momentum_lists", "remaining",

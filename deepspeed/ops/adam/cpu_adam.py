@@ -17,6 +17,13 @@ busy, and as little address-translation overhead as possible. Measured choices (
 
 ``fp32_optimizer_states=True`` keeps the moments in fp32 even for bf16/fp16
 parameters (the update is then computed in fp32 and written back).
+
+Sub-group steps (DeepSpeed 0.19): :meth:`DeepSpeedCPUAdam.step_subgroup` updates the one
+parameter that has a gradient (a ZeRO sub-group's flat fp32 partition) with state kept under
+the sub-group's index, so a caller can step sub-groups one at a time as their gradients
+complete; :meth:`DeepSpeedCPUAdam.rollback_subgroup` undoes the last such step (parameter and
+both moments, recomputed from the same gradient), for a step taken speculatively before the
+global gradient norm or an overflow was known.
 """
 from __future__ import annotations
 
@@ -94,6 +101,90 @@ class DeepSpeedCPUAdam(FusedAdam):
         if p.device.type != "cpu":
             return super()._new_state_tensor(p, dtype)
         return host_zeros(p.shape, dtype)
+
+    # -- sub-group steps (DeepSpeed 0.19) ---------------------------------------------------
+    def _subgroup_param(self, method: str):
+        """(group, param) of the single parameter with a gradient: a sub-group is one tensor."""
+        found = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if len(found) != 1:
+            raise ValueError(
+                f"DeepSpeedCPUAdam.{method}: a sub-group is one tensor, so exactly one parameter may have a "
+                f"gradient; got {len(found)}. Set optimizer.param_groups[i]['params'] = [sub_group_tensor] "
+                f"(as ZeRO-3 does for each sub-group) before calling it.")
+        g, p = found[0]
+        if p.device.type != "cpu":
+            raise RuntimeError(f"DeepSpeedCPUAdam.{method}: the parameter is on {p.device}; it must be on the "
+                               f"CPU (enable zero_optimization.offload_optimizer.device 'cpu').")
+        return g, p
+
+    @staticmethod
+    def _hparams(group) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), bias_correction=group["bias_correction"])
+
+    @torch.no_grad()
+    def step_subgroup(self, subgroup_id: int, closure=None):
+        """Update the sub-group's tensor (the one parameter with a gradient) with the optimizer
+        state stored under ``self.state[subgroup_id]``; the same update :meth:`step` applies."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group, p = self._subgroup_param("step_subgroup")
+        state = self.state[subgroup_id]
+        if len(state) == 0:
+            dtype = self._state_dtype(p)
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = self._new_state_tensor(p, dtype)
+            state["exp_avg_sq"] = self._new_state_tensor(p, dtype)
+        state["step"].add_(1.0)
+        self._update([p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [state["step"]],
+                     **self._hparams(group))
+        return loss
+
+    @torch.no_grad()
+    def rollback_subgroup(self, sub_group_id: int, closure=None):
+        """Undo the last :meth:`step_subgroup` of ``sub_group_id`` given the gradient it used
+        (still in ``p.grad``): the moments and the parameter are solved back from the update
+        formula (in float64, written back in their dtypes) and the step count drops by one.
+        Exact up to rounding. Needs beta1, beta2 > 0 (otherwise the old moments are lost)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if sub_group_id not in self.state or len(self.state[sub_group_id]) == 0:
+            raise RuntimeError(f"Cannot rollback optimizer state for sub_group_id {sub_group_id} "
+                               f"as it has not been initialized.")
+        state = self.state[sub_group_id]
+        step = int(float(state["step"]))
+        if step <= 0:
+            raise RuntimeError(f"Cannot rollback sub_group_id {sub_group_id}: step count is {step}")
+        group, p = self._subgroup_param("rollback_subgroup")
+        hp = self._hparams(group)
+        b1, b2, lr, wd, eps = hp["beta1"], hp["beta2"], hp["lr"], hp["weight_decay"], hp["eps"]
+        if b1 <= 0.0 or b2 <= 0.0:
+            raise ValueError(f"DeepSpeedCPUAdam.rollback_subgroup: betas {group['betas']} - a step with beta 0 "
+                             f"forgets the previous moments, so it cannot be rolled back.")
+        f64 = torch.float64
+        m, v = state["exp_avg"].to(f64), state["exp_avg_sq"].to(f64)
+        x, g = p.detach().to(f64), p.grad.to(f64)
+        bc1 = 1.0 - b1 ** step if hp["bias_correction"] else 1.0
+        bc2 = 1.0 - b2 ** step if hp["bias_correction"] else 1.0
+        x = x + lr * (m / bc1) / (v.sqrt() / bc2 ** 0.5 + eps)
+        if wd != 0.0:
+            if self.adam_w_mode:
+                x = x / (1.0 - lr * wd)
+            else:
+                # Adam/L2: the step used g + wd * (parameter before it), as stored in p's dtype
+                g = g + wd * x.to(p.dtype).to(f64)
+        m = (m - (1.0 - b1) * g) / b1
+        v = ((v - (1.0 - b2) * g * g) / b2).clamp_(min=0.0)
+        p.copy_(x)
+        state["exp_avg"].copy_(m)
+        state["exp_avg_sq"].copy_(v)
+        state["step"].sub_(1.0)
+        return loss
 
     def load_state_dict(self, state_dict) -> None:
         """Load, keeping the saved moments' dtype (torch would cast fp32 moments down to a
