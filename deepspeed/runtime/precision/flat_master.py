@@ -133,7 +133,8 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         self.reduce_bucket_size = z.reduce_bucket_size_or(STAGE0_DEFAULT_BUCKET)
         self.allgather_bucket_size = z.allgather_bucket_size
         self.skip_on_overflow = cfg.fp16_enabled or (cfg.bfloat16_enabled and cfg.bf16.check_grad_overflow)
-        self.scaler = create_loss_scaler(cfg.fp16, cfg.fp16_enabled)
+        # DeepSpeed's stage-0 fp16 optimizers do not read fp16.hysteresis (ZeRO-1/2 do)
+        self.scaler = create_loss_scaler(cfg.fp16, cfg.fp16_enabled, hysteresis=self.stage != 0)
         self.comm = _Comm(ctx.dp_group, self.world, self.rank)
 
     def _build_layouts(self, groups: List[dict]):
@@ -254,6 +255,11 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         return self.scaler
 
     @property
+    def loss_scale_config(self):
+        """DeepSpeed 0.19's name for the scaler state (cur_scale, cur_iter, scale_window, ...)."""
+        return self.scaler
+
+    @property
     def dynamic_loss_scale(self) -> bool:
         return self.scaler.dynamic
 
@@ -351,6 +357,7 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
     # overflow and the global norm once over several strategies before any of them steps.
     def prepare_step(self):
         """(streamed?, staging or master grads, local squared norm of the summed, scaled grads)."""
+        self._adopt_assigned_grads()
         if self._nvme is not None:
             return self._nvme.prepare_step()
         streamed = self._use_streamed_step()
@@ -361,6 +368,21 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
             return streamed, staging, local_sq
         grads = self._attach_master_grads()
         return streamed, grads, sum_of_squares(list(torch._foreach_norm(grads, 2.0)) if grads else [])
+
+    def _adopt_assigned_grads(self):
+        """A ``p.grad`` the caller assigned since backward (not the view into the flat buffer)
+        is the gradient the step uses, as DeepSpeed's stage-0/1 optimizers read ``p.grad``."""
+        if self.partition_grads:
+            return
+        for s in self.slots:
+            g = s.param.grad
+            if g is None:
+                continue
+            view = self._grad_views[id(s)]
+            if g.data_ptr() == view.data_ptr():
+                continue
+            view.copy_(g.reshape(-1))
+            s.param.grad = view.view(s.shape) if self.grad_dtype == self.dtype else None
 
     def grad_norm_factor(self) -> float:
         """Multiplier from the norm of the summed, loss-scaled gradients to the true norm."""

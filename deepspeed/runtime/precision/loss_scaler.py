@@ -4,8 +4,14 @@ Dynamic scaling, as DeepSpeed documents it: the loss is multiplied by ``cur_scal
 in backward. When any gradient on any rank overflowed (the caller reduces the flag
 across ranks first), the step is skipped; if hysteresis is used up the scale is
 halved (never below ``min_scale``), otherwise one unit of hysteresis is consumed.
-After ``scale_window`` consecutive clean steps the scale doubles (and, with
-``consecutive_hysteresis``, hysteresis is refilled on every clean step).
+The scale doubles on a clean step when the clean steps before it since the last overflow (or
+the start) are a positive multiple of ``scale_window`` (DeepSpeed 0.19's rule: with a window
+of 2 and no overflow the scale doubles at the 3rd step, the 5th, ...); with
+``consecutive_hysteresis`` hysteresis is refilled on every clean step. DeepSpeed's stage-0
+fp16 optimizers have no hysteresis (``create_loss_scaler(..., hysteresis=False)``).
+
+Every scaler is also DeepSpeed 0.19's ``optimizer.loss_scale_config`` (``cur_scale``,
+``cur_iter``, ``dynamic_loss_scale``, ``scale_window``, ``min_loss_scale``, ...).
 """
 from __future__ import annotations
 
@@ -18,9 +24,24 @@ from ...utils.logging import logger
 
 class LossScalerBase:
     dynamic = False
+    scale_factor = None
+    scale_window = None
+    min_scale = None
+    last_overflow_iter = None
+    use_grad_scaling = False   # True for fp16 (set by create_loss_scaler)
 
     def __init__(self, cur_scale: float):
         self.cur_scale = float(cur_scale)
+        self.cur_iter = 0
+
+    # DeepSpeed 0.19's LossScaleConfig names
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.dynamic
+
+    @property
+    def min_loss_scale(self):
+        return self.min_scale
 
     @property
     def loss_scale(self) -> float:
@@ -33,7 +54,8 @@ class LossScalerBase:
         self.scale_loss(loss).backward(retain_graph=retain_graph)
 
     def update_scale(self, overflow: bool) -> None:
-        """Static scaler: nothing changes."""
+        """Static scaler: the scale never changes; the step count does."""
+        self.cur_iter += 1
 
     def state_dict(self) -> dict:
         return {"cur_scale": self.cur_scale, "dynamic": self.dynamic}
@@ -51,6 +73,7 @@ class LossScaler(LossScalerBase):
 
 class DynamicLossScaler(LossScalerBase):
     dynamic = True
+    use_grad_scaling = True
 
     def __init__(self, init_scale: float = 2.0 ** 16, scale_factor: float = 2.0, scale_window: int = 1000,
                  min_scale: float = 1.0, delayed_shift: int = 1, consecutive_hysteresis: bool = False,
@@ -84,7 +107,8 @@ class DynamicLossScaler(LossScalerBase):
             self.overflows_at_min_scale = 0
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            stable_steps = self.cur_iter - self.last_overflow_iter - 1
+            if stable_steps > 0 and stable_steps % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.delayed_shift
                 self.cur_scale *= self.scale_factor
@@ -104,16 +128,20 @@ class DynamicLossScaler(LossScalerBase):
                 setattr(self, k, int(sd[k]))
 
 
-def create_loss_scaler(fp16_section, enabled: bool):
-    """Build the scaler for an ``fp16`` config section (a scale of 1 when fp16 is off)."""
+def create_loss_scaler(fp16_section, enabled: bool, hysteresis: bool = True):
+    """Build the scaler for an ``fp16`` config section (a scale of 1 when fp16 is off).
+    ``hysteresis=False``: every overflow halves the scale (DeepSpeed's stage-0 FP16_Optimizer /
+    FP16_UnfusedOptimizer do not read ``fp16.hysteresis``)."""
     if not enabled:
         return LossScaler(1.0)
     if fp16_section.loss_scale and fp16_section.loss_scale > 0:
-        return LossScaler(fp16_section.loss_scale)
+        static = LossScaler(fp16_section.loss_scale)
+        static.use_grad_scaling = True
+        return static
     return DynamicLossScaler(init_scale=2.0 ** fp16_section.initial_scale_power,
                              scale_window=fp16_section.loss_scale_window,
                              min_scale=fp16_section.min_loss_scale,
-                             delayed_shift=fp16_section.hysteresis,
+                             delayed_shift=fp16_section.hysteresis if hysteresis else 1,
                              consecutive_hysteresis=fp16_section.consecutive_hysteresis)
 
 

@@ -28,11 +28,14 @@ def test_hysteresis_one_halves_immediately_and_respects_min_scale():
 
 
 def test_scale_doubles_after_window_of_clean_steps():
+    # DeepSpeed 0.19: a clean step doubles the scale when the clean steps before it (since the start
+    # or the last overflow) are a positive multiple of the window: the 4th and the 7th step here
     s = DynamicLossScaler(init_scale=16.0, scale_window=3, delayed_shift=2)
-    assert _run(s, [False] * 7) == [16.0, 16.0, 32.0, 32.0, 32.0, 64.0, 64.0]
-    # an overflow restarts the window: 3 clean steps after it are needed again
+    assert _run(s, [False] * 7) == [16.0, 16.0, 16.0, 32.0, 32.0, 32.0, 64.0]
+    # an overflow restarts the count: 3 clean steps after it, the 4th doubles
     s2 = DynamicLossScaler(init_scale=16.0, scale_window=3, delayed_shift=1)
-    assert _run(s2, [False, True, False, False, False]) == [16.0, 8.0, 8.0, 8.0, 16.0]
+    assert _run(s2, [False, True, False, False, False, False]) == [16.0, 8.0, 8.0, 8.0, 8.0, 16.0]
+    assert (s2.cur_iter, s2.last_overflow_iter, s2.dynamic_loss_scale, s2.min_loss_scale) == (6, 1, True, 1.0)
 
 
 def test_hysteresis_refill_window_vs_consecutive():

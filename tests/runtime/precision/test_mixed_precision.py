@@ -111,7 +111,8 @@ def test_dynamic_scale_doubles_after_window():
         engine.backward(engine(x.half(), y.half()))
         engine.step()
         scales.append(engine.loss_scale)
-    assert scales == [16.0] * 4 + [32.0] * 5 + [64.0]
+    # DeepSpeed 0.19: the 6th clean step doubles (5 clean steps before it), then the 11th
+    assert scales == [16.0] * 5 + [32.0] * 5
     assert engine.skipped_steps == 0
 
 
