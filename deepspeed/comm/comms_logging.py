@@ -128,6 +128,51 @@ class CommsLogger:
     def reset(self) -> None:
         self.comms_dict = defaultdict(dict)
 
+    # DeepSpeed 0.19's runtime switches and queries
+    def start_profiling_comms(self) -> None:
+        """Record every op (``prof_all``), as if the config said ``prof_all: true``."""
+        self.prof_all = True
+
+    def stop_profiling_comms(self) -> None:
+        """Record only the ops in ``prof_ops`` (and calls made with ``prof=True``)."""
+        self.prof_all = False
+
+    def start_profiling_op(self, op_name_list) -> None:
+        self.configure(prof_ops=list(dict.fromkeys(list(self.prof_ops) + list(op_name_list))))
+
+    def stop_profiling_op(self, op_name_list) -> None:
+        self.prof_ops = [op for op in self.prof_ops if op not in op_name_list]
+
+    def get_raw_data(self) -> dict:
+        """``{label: {message size: [count, [latency ms], [algbw Gbps], [busbw Gbps]]}}`` (a shallow copy)."""
+        return dict(self.comms_dict)
+
+    def has_data(self) -> bool:
+        return len(self.comms_dict) > 0
+
+    def reset_data(self) -> None:
+        self.comms_dict.clear()
+
+    def get_operation_names(self) -> List[str]:
+        return list(self.comms_dict)
+
+    def get_total_operations(self) -> int:
+        return sum(rec[0] for sizes in self.comms_dict.values() for rec in sizes.values())
+
+    def get_operation_summary(self, operation_name: str) -> Optional[dict]:
+        """Per message size of one op label: count, total and (10%-trimmed) average latency in ms,
+        average algbw / busbw in Gbps, and the size; None when the label was never recorded. The
+        recorded lists are not reordered."""
+        if operation_name not in self.comms_dict:
+            return None
+        from ..utils.timer import trim_mean
+        out = {}
+        for size, (count, lats, algs, buses) in list(self.comms_dict[operation_name].items()):
+            out[size] = {"count": count, "total_latency_ms": sum(lats), "avg_latency_ms": trim_mean(lats, 0.1),
+                         "tput_avg_gbps": trim_mean(algs, 0.1), "busbw_avg_gbps": trim_mean(buses, 0.1),
+                         "msg_size_bytes": size, "msg_size_str": convert_size(size)}
+        return out
+
     def append(self, op: str, label: str, size: int, latency_s: float, n: int) -> None:
         algbw, busbw = bandwidths_gbps(op, size, latency_s, n)
         rec = self.comms_dict[label].setdefault(size, [0, [], [], []])
@@ -141,12 +186,14 @@ class CommsLogger:
                      f"algbw (Gbps): {algbw:.3f} | busbw (Gbps): {busbw:.3f}", ranks=[0])
 
     def summary_rows(self, mins: Optional[Dict] = None) -> List[list]:
+        from ..utils.timer import trim_mean
         rows = []
         for label in sorted(self.comms_dict):
             for size in sorted(self.comms_dict[label]):
                 count, lats, algs, buses = self.comms_dict[label][size]
                 total = sum(lats)
-                row = [label, size, count, total, total / count, sum(algs) / count, sum(buses) / count]
+                # averages drop outliers as DeepSpeed's log_all does (10% trimmed mean)
+                row = [label, size, count, total, trim_mean(lats, 0.1), trim_mean(algs, 0.1), trim_mean(buses, 0.1)]
                 if mins is not None:
                     row.append(total - mins.get((label, size), total))
                 rows.append(row)

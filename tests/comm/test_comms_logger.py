@@ -199,3 +199,32 @@ def test_log_summary_prints_with_logger_quiet(capsys):
         logger.setLevel(level)
     out = capsys.readouterr().out
     assert "Communication summary" in out and "all_reduce" in out and text in out
+
+
+def test_runtime_switches_and_queries():
+    """DeepSpeed 0.19's CommsLogger API: prof_all switches, prof_ops edits, raw data and summaries
+    (10%-trimmed averages, hand-computed; the recorded lists keep their order)."""
+    from deepspeed.utils.comms_logging import CommsLogger
+    cl = CommsLogger()
+    cl.stop_profiling_comms()
+    assert cl.prof_all is False and not cl.should_log("all_reduce", False)
+    cl.start_profiling_op(["all_reduce", "broadcast"])
+    assert cl.should_log("all_reduce", False) and cl.should_log("broadcast", False)
+    cl.stop_profiling_op(["broadcast"])
+    assert cl.prof_ops == ["all_reduce"]
+    cl.start_profiling_comms()
+    assert cl.prof_all is True
+    assert not cl.has_data() and cl.get_operation_summary("all_reduce") is None
+    lats = [10.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 100.0]   # ms; trim 1 from each end
+    for ms in lats:
+        cl.append("all_reduce", "all_reduce", 1000, ms / 1e3, 2)
+    s = cl.get_operation_summary("all_reduce")[1000]
+    assert s["count"] == 10 and s["total_latency_ms"] == sum(lats)
+    assert abs(s["avg_latency_ms"] - sum(sorted(lats)[1:9]) / 8) < 1e-9
+    raw = cl.get_raw_data()["all_reduce"][1000]
+    assert [round(x, 6) for x in raw[1]] == lats   # not sorted in place
+    # algbw = 1000 bytes * 8 / latency in Gbps; busbw = algbw * 2(n-1)/n = algbw at n=2
+    assert all(abs(a * ms - 8e3 / 1e9 * 1e3) < 1e-12 for a, ms in zip(raw[2], raw[1]))
+    assert cl.get_total_operations() == 10 and cl.get_operation_names() == ["all_reduce"]
+    cl.reset_data()
+    assert not cl.has_data()

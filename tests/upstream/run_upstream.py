@@ -280,8 +280,6 @@ KNOWN += [
      "downloads a model from the Hugging Face hub (no network on this machine)"),
     (r"Torch not compiled with CUDA enabled", "out_of_scope", "needs CUDA"),
     (r"TestUlyssesSPHFFlexAttention", "out_of_scope", "PyTorch's FlexAttention has no backward on CPU"),
-    (r"test_comms_logger\.py", "remaining", "CommsLogger lacks DeepSpeed's start_profiling_comms / "
-     "stop_profiling_comms / get_operation_summary / get_raw_data (deepspeed/comm, another owner)"),
     (r"test_stage2_flatten_on_gpu\.py|bit16_groups_flat", "deviation",
      "pins stage_1_and_2 internals (bit16_groups_flat and its 'Flattening param group' log line)"),
     (r"TestPipeModuleCheckpointInterval|pipeline\.use_reentrant", "remaining",
