@@ -235,9 +235,11 @@ class MoEFlatStrategy(TrainingStrategy, torch.optim.Optimizer):
     def scale_loss(self, loss):
         return self.subs[0].scale_loss(loss)
 
-    def backward(self, loss, *, sync, retain_graph=False):
-        boundaries = [s.begin_backward(sync) for s in self.subs]
-        loss.backward(retain_graph=retain_graph)
+    # backward = begin_backward; loss.backward(); end_backward (TrainingStrategy.backward)
+    def begin_backward(self, sync):
+        return [s.begin_backward(sync) for s in self.subs]
+
+    def end_backward(self, boundaries) -> None:
         for s, b in zip(self.subs, boundaries):
             s.end_backward(b)
 

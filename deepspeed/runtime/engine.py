@@ -29,6 +29,7 @@ from .engine_queries import EngineConfigQueries
 from .sequence_parallel.engine_groups import resolve_sequence_parallel_mpu, sequence_parallel_layout
 from .strategy import StrategyContext
 from .strategy_factory import build_strategy
+from .torch_backward import TorchBackward, TorchBackwardMethods
 from .torch_autocast import autocast_if_enabled
 
 FORWARD, BACKWARD, STEP = "forward", "backward", "step"
@@ -52,7 +53,7 @@ def _normalize_param_groups(model, model_parameters):
     return [{"params": items}]
 
 
-class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module):
+class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMethods, torch.nn.Module):
     """Wraps a model for training as configured. See ``deepspeed.initialize``."""
 
     def __init__(self, args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -99,6 +100,7 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
         self._last_loss = None
         self._losses_since_print = []
         self._warned_no_optimizer = False
+        self._torch_backward = TorchBackward(self)   # loss.backward() without engine.backward (torch_backward.py)
 
         acc = get_accelerator()
         self.device = acc.device(self.local_rank) if acc.device_name() != "cpu" else torch.device("cpu")
@@ -250,6 +252,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
             kwargs = {k: _cast_floating(v, torch.float16) for k, v in kwargs.items()}
         with autocast_if_enabled(self):   # the torch_autocast section (runtime/torch_autocast.py)
             out = self.module(*inputs, **kwargs)
+        if self.module.training and torch.is_grad_enabled():
+            self._torch_backward.watch(out)   # a user-driven loss.backward() reduces too
         if obs is not None:
             obs.forward_end()
         self.timers(FORWARD).stop()
@@ -274,7 +278,12 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
         # Sequence parallelism sums gradients over the sequence ranks (runtime/sequence_parallel/engine_groups.py)
         scaled = self.strategy.scale_loss(loss * self._sp_grad_factor if self._sp_grad_factor != 1.0 else loss)
         boundary = self.is_gradient_accumulation_boundary()
-        self.strategy.backward(scaled, sync=allreduce_gradients and boundary, retain_graph=retain_graph)
+        tb = self._torch_backward
+        tb.engine_running = True   # the output hooks stand aside
+        try:
+            self.strategy.backward(scaled, sync=allreduce_gradients and boundary, retain_graph=retain_graph)
+        finally:
+            tb.engine_running = False
         # backward(allreduce_gradients=False) on the boundary: engine.allreduce_gradients() reduces later
         self._unreduced_grads = boundary and not allreduce_gradients
         if obs is not None:
@@ -301,6 +310,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
         self._boundary_override = bool(is_boundary)
 
     def step(self, lr_kwargs=None):
+        if self._torch_backward.coalescing:
+            self._refuse_inside_coalesce("engine.step()")
         self.timers(STEP).start()
         obs = self._obs
         if obs is not None:
@@ -353,6 +364,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, torch.nn.Module
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate local gradients without reducing them (manual accumulation)."""
+        if self._torch_backward.coalescing:
+            self._refuse_inside_coalesce("engine.no_sync()")
         with self.strategy.no_sync():
             yield
 

@@ -10,6 +10,7 @@ Life cycle per optimizer step (``gas`` micro-steps)::
     for micro in range(gas):
         loss = engine(batch)                          # strategy.pre_forward() (stage 3 gathers here)
         engine.backward(loss)                         # strategy.backward(loss_scaled_for_gas, sync=boundary)
+                                                      # = begin_backward; loss.backward(); end_backward
         engine.step()                                 # at the boundary: strategy.step() -> StepOutcome
 """
 from __future__ import annotations
@@ -68,11 +69,25 @@ class TrainingStrategy(ABC):
     def pre_forward(self) -> None:
         """Called before each forward (stage 3 uses module hooks instead)."""
 
-    @abstractmethod
     def backward(self, loss: torch.Tensor, *, sync: bool, retain_graph: bool = False) -> None:
         """Run backward on ``loss`` (already divided by gas). When ``sync`` is True this is
         the accumulation boundary and gradients must be reduced across ranks by the time
         :meth:`step` runs."""
+        token = self.begin_backward(sync)
+        loss.backward(retain_graph=retain_graph)
+        self.end_backward(token)
+
+    # begin/end are separate so one autograd pass can serve several strategies (the MoE
+    # composite) and so a backward the user drives (``loss.backward()``, runtime/torch_backward.py)
+    # is bracketed from autograd hooks. ``end_backward`` also reduces gradients that a backward
+    # outside any bracket left in ``p.grad`` (``engine._backward_epilogue()``, the exit of
+    # ``engine.coalesce_grad_reduction()``).
+    def begin_backward(self, sync: bool):
+        """Before the autograd pass; returns the token :meth:`end_backward` takes."""
+        return sync
+
+    def end_backward(self, token) -> None:
+        """After the autograd pass: finish (at the boundary: reduce) what the pass produced."""
 
     def allreduce_gradients(self) -> None:
         """Reduce, now, the gradients a boundary ``backward(sync=False)`` left local to this rank

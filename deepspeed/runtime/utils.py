@@ -436,3 +436,38 @@ class CheckOverflow:
     def check(self, param_groups=None) -> bool:
         params = [p for g in param_groups for p in g] if param_groups is not None else (self.params or [])
         return self.has_overflow(params, any(_is_expert_param(p) for p in params))
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed 0.19's helpers for code running inside a backward pass (its ZeRO optimizers count the
+# parameters a pass will reach; ours queue the end of a user-driven pass on autograd's engine,
+# runtime/torch_backward.py, but clients and hooks call these).
+def check_internal_apis_for_count_used_parameters() -> bool:
+    """Whether this PyTorch has the autograd internals :func:`count_used_parameters_in_backward` reads."""
+    return (hasattr(torch.autograd.graph, "_get_grad_fn_or_grad_acc")
+            and hasattr(torch._C, "_current_graph_task_id") and hasattr(torch._C, "_will_engine_execute_node"))
+
+
+def count_used_parameters_in_backward(parameters) -> int:
+    """How many of ``parameters`` the backward pass running now will produce a gradient for.
+
+    Call it from inside a backward (a tensor or module hook). Parameters that do not require
+    grad, or that this pass does not reach, are not counted; parameters sharing one gradient
+    accumulator (the same tensor twice) count once."""
+    if not check_internal_apis_for_count_used_parameters():
+        raise RuntimeError("count_used_parameters_in_backward needs torch.autograd.graph._get_grad_fn_or_grad_acc, "
+                           "torch._C._current_graph_task_id and torch._C._will_engine_execute_node; this PyTorch "
+                           f"({torch.__version__}) lacks one of them.")
+    if torch._C._current_graph_task_id() == -1:
+        raise RuntimeError("count_used_parameters_in_backward must be called during backward execution "
+                           "(from a hook), not outside a backward pass.")
+    from torch.autograd.graph import _get_grad_fn_or_grad_acc
+    nodes = {}
+    with torch.enable_grad():   # hooks run with grad disabled; the accumulator lookup needs it on
+        for p in parameters:
+            if isinstance(p, torch.Tensor) and p.requires_grad:
+                node = _get_grad_fn_or_grad_acc(p)
+                if node is not None:
+                    nodes[id(node)] = node
+    will_run = torch._C._will_engine_execute_node
+    return sum(1 for node in nodes.values() if will_run(node))

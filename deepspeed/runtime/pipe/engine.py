@@ -70,6 +70,8 @@ class _Backward:
 class PipelineEngine(DeepSpeedEngine):
     """A training engine for hybrid pipeline, data and model parallelism (see ``deepspeed.initialize``)."""
 
+    pipeline_parallelism = True   # DeepSpeed's engine attribute (coalesce_grad_reduction refuses it)
+
     def __init__(self, *super_args, has_bool_tensors=False, **super_kwargs):
         model = super_kwargs.get("model")
         if not isinstance(model, PipelineModule):

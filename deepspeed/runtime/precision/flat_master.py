@@ -319,7 +319,8 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
                     s.param.grad = None
             self._unsynced = False
         if self.partition_grads:
-            self.reducer.finish()
+            if self._sync_enabled:   # under no_sync() the gradients stay in p.grad: nothing to launch
+                self.reducer.finish()
         elif boundary:
             self.reducer.finish()
         if boundary and not self.ignore_unused:

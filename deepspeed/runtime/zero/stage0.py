@@ -192,12 +192,14 @@ class DataParallelStrategy(TrainingStrategy):
     def allreduce_launches(self) -> int:
         return sum(b.launches for b in self.bucketers)
 
-    def backward(self, loss, *, sync, retain_graph=False):
+    def begin_backward(self, sync) -> bool:
         reduce_now = sync and self._sync_enabled and self.ctx.dp_world_size > 1 \
             and gradient_allreduce_needed(self.optimizer)   # 1-bit optimizers: compressed in their step
         for b in self.bucketers:
             b.armed = reduce_now and b.world_size > 1
-        loss.backward(retain_graph=retain_graph)
+        return reduce_now
+
+    def end_backward(self, reduce_now) -> None:
         if reduce_now:
             for b in self.bucketers:
                 b.finish()

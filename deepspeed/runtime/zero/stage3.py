@@ -303,8 +303,9 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
                 self.reducer.take(p)
         p.grad = None
 
-    def backward(self, loss, *, sync, retain_graph=False):
-        loss.backward(retain_graph=retain_graph)
+    # backward = begin_backward (nothing to prepare: gradients are reduced as they arrive);
+    # loss.backward(); end_backward (TrainingStrategy.backward)
+    def end_backward(self, token) -> None:
         if self._sync_enabled:
             for p, held in list(self._unsynced.items()):  # held gradients this backward did not reach
                 del self._unsynced[p]
