@@ -41,6 +41,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+# DeepSpeed imports Microsoft's tutel here when installed (a fused dispatch for top-1 gating); this
+# version never uses it, so use_tutel=True is refused and this stays False.
+TUTEL_INSTALLED = False
 
 
 def multiplicative_jitter(x: torch.Tensor, epsilon: float = 1e-2, device=None) -> torch.Tensor:

@@ -17,6 +17,30 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+# DeepSpeed takes a fused rotary kernel from the optional ``torchembed`` package (Triton, on an
+# accelerator); here the rotary embedding is always the PyTorch expression below.
+_torchembed_available = False
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the two halves of the last dimension (the rotary "i * x")."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(t: Tensor, freqs_cos: Tensor, freqs_sin: Tensor) -> Tensor:
+    """Rotary position embedding: ``t * cos + rotate_half(t) * sin`` over the first ``rot_dim =
+    freqs_cos.shape[-1]`` features of ``t`` (``[seq, ..., dim]``; the freqs broadcast against it); the
+    remaining ``dim - rot_dim`` features pass through unchanged."""
+    rot_dim = freqs_cos.shape[-1]
+    if rot_dim > t.shape[-1] or rot_dim % 2:
+        raise ValueError(f"apply_rotary_pos_emb: the rotary dimension (freqs' last dim, {rot_dim}) must be even "
+                         f"and at most the tensor's last dim ({t.shape[-1]})")
+    head, rest = t[..., :rot_dim], t[..., rot_dim:]
+    out = head * freqs_cos + _rotate_half(head) * freqs_sin
+    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
 def _group_size(group) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 

@@ -120,6 +120,16 @@ class OpBuilder:
         major, minor = v.split(".")[:2]
         return int(major), int(minor)
 
+    @staticmethod
+    def installed_rocm_version():
+        """``(major, minor)`` of the ROCm this PyTorch was built with (from ``torch.version.hip``);
+        ``(0, 0)`` on a build without ROCm, as DeepSpeed's OpBuilder returns."""
+        hip = getattr(torch.version, "hip", None)
+        if not hip:
+            return 0, 0
+        parts = (str(hip).split(".") + ["0"])[:2]
+        return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(NAME={self.NAME!r}, module={self.MODULE!r})"
 

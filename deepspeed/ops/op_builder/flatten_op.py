@@ -25,3 +25,16 @@ def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch
         out.append(flat.narrow(0, offset, t.numel()).view_as(t))
         offset += t.numel()
     return out
+
+
+def cast_to_byte_tensor(src):
+    """A ``uint8`` view of each tensor's bytes (same storage, ``numel * element_size`` elements), for
+    one tensor or a list of them, as DeepSpeed's ``utils`` op ``cast_to_byte_tensor``."""
+    if isinstance(src, (list, tuple)):
+        return [cast_to_byte_tensor(t) for t in src]
+    if not torch.is_tensor(src):
+        raise TypeError(f"cast_to_byte_tensor takes a tensor or a list of tensors, got {type(src).__name__}")
+    if not src.is_contiguous():
+        raise ValueError("cast_to_byte_tensor needs a contiguous tensor (its bytes are viewed in place): "
+                         "call .contiguous() first")
+    return src.detach().reshape(-1).view(torch.uint8)
