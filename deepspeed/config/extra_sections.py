@@ -192,6 +192,8 @@ class PipelineSection(DSConfigModel):
     partition: str = "best"
     seed_layers: bool = False
     activation_checkpoint_interval: int = Field(0, ge=0)
+    # False: the module checkpoints with deepspeed.checkpointing.non_reentrant_checkpoint
+    use_reentrant: Optional[bool] = True   # None: True, as in DeepSpeed
     pipe_partitioned: bool = True
     grad_partitioned: bool = True
     # seconds a stage waits in a point-to-point receive before failing (None: the process

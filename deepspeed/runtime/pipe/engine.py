@@ -55,6 +55,15 @@ def _to_device(x, device):
     return x
 
 
+def _requiring_grad(x):
+    """``x`` with its floating tensors detached and requiring grad (the caller's tensors untouched)."""
+    if torch.is_tensor(x):
+        return x.detach().requires_grad_(True) if x.is_floating_point() else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_requiring_grad(t) for t in x)
+    return x
+
+
 class _Backward:
     """What the strategy's ``backward`` calls ``.backward()`` on: autograd from ``tensors``
     with ``grads`` (a loss when ``grads`` is None)."""
@@ -100,6 +109,16 @@ class PipelineEngine(DeepSpeedEngine):
             next_rank = self.grid.stage_to_global(self.next_stage) if not self.is_last_stage() else None
         self.p2p = P2P(prev_rank, next_rank, self.device, timeout_s=timeout, stage_id=self.stage_id)
         self.has_bool_tensors = has_bool_tensors
+        # pipeline.use_reentrant picks the module's checkpoint function whatever the interval, so
+        # that a later set_checkpoint_interval() uses it too; a positive
+        # pipeline.activation_checkpoint_interval overrides the module's own
+        if pipe_cfg is not None:
+            if pipe_cfg.use_reentrant is False:
+                from ..activation_checkpointing.checkpointing import non_reentrant_checkpoint
+                self.module.activation_checkpoint_func = non_reentrant_checkpoint
+            if pipe_cfg.activation_checkpoint_interval > 0:
+                self.module.activation_checkpoint_interval = pipe_cfg.activation_checkpoint_interval
+        self.module._precompute_checkpointable_values()
 
         # tied copies start from the owner's weights; masters follow the module
         self.module.synchronize_tied_weights()
@@ -135,6 +154,15 @@ class PipelineEngine(DeepSpeedEngine):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self._force_grad_boundary
+
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """Whether the module checkpoints activations with the reentrant function (read from the
+        module, so set_checkpoint_interval() after initialize counts); the first stage's floating
+        inputs then require grad, as in DeepSpeed."""
+        if self.module.activation_checkpoint_interval <= 0:
+            return False
+        from ..activation_checkpointing.checkpointing import non_reentrant_checkpoint
+        return self.module.activation_checkpoint_func is not non_reentrant_checkpoint
 
     def set_dataiterator(self, iterator) -> None:
         self.data_iterator = iterator
@@ -304,6 +332,8 @@ class PipelineEngine(DeepSpeedEngine):
         inputs, labels = self._next_batch()
         if first:
             x = _to_device(inputs, self.device)
+            if torch.is_grad_enabled() and self._reentrant_activation_checkpointing():
+                x = _requiring_grad(x)
             self.pipe_buffers["inputs"][buffer_id] = tuple(x) if isinstance(x, list) else x
         if last:
             self.pipe_buffers["labels"][buffer_id] = _to_device(labels, self.device)

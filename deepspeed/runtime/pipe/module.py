@@ -136,6 +136,13 @@ class PipelineModule(nn.Module):
             activation_checkpoint_func = checkpoint
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
+        if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
+            raise TypeError(f"PipelineModule: checkpointable_layers must be a list of layer class names, got "
+                            f"{type(checkpointable_layers).__name__}.")
+        # per block of activation_checkpoint_interval layers (from this stage's first layer):
+        # checkpointed or not; rebuilt whenever the interval changes (set_checkpoint_interval)
+        self.is_checkpointable_results: List[bool] = []
+        self.is_checkpointable_results_interval = None
         self.partition_method = partition_method
         # interleaved pipelines: the layers are split into num_stages * chunks_per_stage
         # virtual stages; stage s holds virtual stages s, s + p, s + 2p, ...
@@ -268,9 +275,37 @@ class PipelineModule(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def _is_checkpointable(self, funcs) -> bool:
+        """Whether a block of layers is checkpointed: with ``checkpointable_layers``, when every
+        layer's class is listed; otherwise when some layer holds parameters. Megatron's GPT pipes
+        (``GPTModelPipe``/``GPT2ModelPipe``) under the reentrant function checkpoint only their
+        transformer layers (and listed classes), as in DeepSpeed."""
+        from ..activation_checkpointing.checkpointing import non_reentrant_checkpoint
+        if (self.activation_checkpoint_func is not non_reentrant_checkpoint
+                and type(self).__name__ in ("GPTModelPipe", "GPT2ModelPipe")):
+            listed = self.checkpointable_layers or ()
+            return all("ParallelTransformerLayerPipe" in type(f).__name__ or type(f).__name__ in listed
+                       for f in funcs)
         if self.checkpointable_layers is not None:
             return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
+
+    def _precompute_checkpointable_values(self) -> None:
+        """Fill ``is_checkpointable_results`` (one entry per block of ``activation_checkpoint_interval``
+        layers of this stage) for the current interval; nothing to do when it is 0 or already done."""
+        interval = self.activation_checkpoint_interval
+        if interval > 0 and self.is_checkpointable_results_interval != interval:
+            n = len(self.forward_funcs)
+            self.is_checkpointable_results = [self._is_checkpointable(self.forward_funcs[a:min(a + interval, n)])
+                                              for a in range(0, n, interval)]
+            self.is_checkpointable_results_interval = interval
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint activations every ``interval`` layers from now on (0: off)."""
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"PipelineModule.set_checkpoint_interval: interval must be an int >= 0 "
+                             f"(0 disables activation checkpointing), got {interval!r}.")
+        self.activation_checkpoint_interval = interval
+        self._precompute_checkpointable_values()
 
     def _exec_range(self, start, end):
         def run(*inputs):
@@ -295,11 +330,14 @@ class PipelineModule(nn.Module):
         if interval == 0 or not torch.is_grad_enabled():
             return self._exec_range(lo, hi)(forward_input)
         x = forward_input
-        for start in range(lo, hi, interval):
+        whole = lo == 0 and hi == len(self.forward_funcs)   # one chunk per stage: the cached blocks
+        if whole:
+            self._precompute_checkpointable_values()
+        for k, start in enumerate(range(lo, hi, interval)):
             end = min(start + interval, hi)
             funcs = self.forward_funcs[start:end]
             args = x if isinstance(x, tuple) else (x,)
-            if self._is_checkpointable(funcs):
+            if self.is_checkpointable_results[k] if whole else self._is_checkpointable(funcs):
                 x = self.activation_checkpoint_func(self._exec_range(start, end), *args)
             else:
                 x = self._exec_range(start, end)(*args)

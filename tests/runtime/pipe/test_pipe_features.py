@@ -186,6 +186,35 @@ def _body(rank, world, tmp):
     # activation checkpointing every 2 layers
     out["ckpt_interval"] = _train_params(_gpt_engine(pp=2, dp=1, activation_checkpoint_interval=2))
 
+    # pipeline.activation_checkpoint_interval / use_reentrant from the config (DeepSpeed 0.19): the
+    # config's interval overrides the module's 0 and use_reentrant=False swaps in the non-reentrant
+    # function, which needs no inputs requiring grad; the model still trains as the reference
+    from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+    eng = _gpt_engine(pp=2, dp=1, extra={"pipeline": {"activation_checkpoint_interval": 2, "use_reentrant": False}})
+    ck = {"interval": eng.module.activation_checkpoint_interval,
+          "non_reentrant": eng.module.activation_checkpoint_func is non_reentrant_checkpoint,
+          "needs_input_grads": eng._reentrant_activation_checkpointing()}
+    out["ckpt_config"] = _train_params(eng)
+    # the setter after initialize: the cached blocks follow the interval, and the engine's
+    # reentrant decision reads the module (ReLU holds no parameters, Linear does)
+    mixed = [nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.ReLU(), nn.ReLU()]
+    module = PipelineModule(mixed, num_stages=2, partition_method=[0, 4, 8], loss_fn=M.lm_loss,
+                            activation_checkpoint_interval=2)
+    module._precompute_checkpointable_values()
+    ck["blocks_2"] = list(module.is_checkpointable_results)
+    eng, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=_config(2, 4, 1))
+    ck["reentrant_2"] = eng._reentrant_activation_checkpointing()
+    module.set_checkpoint_interval(1)
+    ck["blocks_1"] = (module.activation_checkpoint_interval, list(module.is_checkpointable_results))
+    module.set_checkpoint_interval(0)
+    ck["reentrant_0"] = eng._reentrant_activation_checkpointing()
+    for bad in (-1, 1.5, True):
+        try:
+            module.set_checkpoint_interval(bad)
+        except ValueError as err:
+            ck[f"bad_{bad}"] = str(err)
+    out["ckpt_checks"] = ck
+
     # partition methods on a real module
     specs = [LayerSpec(nn.Linear, 4, 64), LayerSpec(nn.Linear, 64, 64), (lambda x: x * 1.0),
              LayerSpec(nn.Linear, 64, 4), LayerSpec(nn.ReLU)]
@@ -271,6 +300,19 @@ def test_monitor_gets_the_batch_loss(two, monitor_dir):
 
 def test_activation_checkpoint_interval(two):
     _check([r["ckpt_interval"] for r in two], micro=2, gas=4, dp=1)
+
+
+def test_pipeline_use_reentrant_and_interval_setter(two):
+    _check([r["ckpt_config"] for r in two], micro=2, gas=4, dp=1)
+    for stage, r in enumerate(two):
+        ck = r["ckpt_checks"]
+        assert (ck["interval"], ck["non_reentrant"], ck["needs_input_grads"]) == (2, True, False)
+        # stage 0 holds ReLU, Linear, ReLU, ReLU; stage 1 Linear, ReLU, ReLU, ReLU
+        assert ck["blocks_2"] == [[True, False], [True, False]][stage]
+        assert ck["blocks_1"] == (1, [[False, True, False, False], [True, False, False, False]][stage])
+        assert (ck["reentrant_2"], ck["reentrant_0"]) == (True, False)
+        for bad in (-1, 1.5, True):
+            assert "set_checkpoint_interval" in ck[f"bad_{bad}"] and ">= 0" in ck[f"bad_{bad}"]
 
 
 def test_partition_methods_split_as_documented(two):
