@@ -276,9 +276,6 @@ KNOWN += [
     (r"TestUlyssesSPHFFlexAttention", "out_of_scope", "PyTorch's FlexAttention has no backward on CPU"),
     (r"test_stage2_flatten_on_gpu\.py|bit16_groups_flat", "deviation",
      "pins stage_1_and_2 internals (bit16_groups_flat and its 'Flattening param group' log line)"),
-    (r"TestPipeModuleCheckpointInterval|pipeline\.use_reentrant", "remaining",
-     "PipelineModule's checkpoint-interval setter and pipeline.use_reentrant (DeepSpeed 0.19): pipe/, another "
-     "owner"),
     (r"ws4_model_checkpoint", "out_of_scope",
      "the fixture ws4_model_checkpoint runs at world size 4 (above the 2 ranks run here), so it is not set up"),
     (r"test_cpu_(adam|adagrad|lion)_gpu_error", "out_of_scope",
