@@ -5,12 +5,18 @@
    so CPU-bound stages would steal time from each other and distort the schedule; sleeping
    isolates what the schedule and the engine do). Per stage we measure, over one
    ``train_batch`` between barriers (wall time ``T``, the same on every stage):
-   ``bubble = 1 - compute / T`` (compute = time inside ForwardPass/BackwardPass) and
-   ``recv_wait / T`` (time blocked in receives), against the 1F1B theory
-   ``(p - 1) / (m + p - 1)``, at p = 2, 4 and m = 1, 2, 4, ... up to 4p. Medians over
-   repeats, with the spread (max - min); where the time goes (wall time per instruction
-   class and stage), the p2p messages sent and the receives posted ahead per batch, and the
-   machine's load average before and after.
+   ``bubble = 1 - m * c_alone / T``, where ``c_alone`` is the same stage's work for one
+   micro-batch (its layers' forward and backward, and the loss on the last stage) timed alone
+   in plain PyTorch in the same process right before (median of ``repeats``): the fair
+   comparison, in which engine work inside a forward or backward counts as overhead. Also
+   ``bubble_in_pipe = 1 - compute / T`` (compute = time inside ForwardPass/BackwardPass, which
+   counts that engine work as compute) and ``recv_wait / T`` (time blocked in receives),
+   against the 1F1B theory ``(p - 1) / (m + p - 1)``, at p = 2, 4 and m = 1, 2, 4, ... up to
+   4p. Medians over repeats, with the spread (max - min); where the time goes (wall time per
+   instruction class and stage; host time per micro-batch outside compute and receive waits;
+   the latency of a hop, from a send's start to the waiting receiver's return, from the
+   instruction timestamps of the last batch), the p2p messages sent and the receives posted
+   ahead per batch, and the machine's load average (1 min) before and after each p.
 2. Activation memory. The same layer saves one activation tensor for backward; a weakref
    counts how many are alive. Peak per stage for 1F1B against the schedule's buffer bound
    ``min(p - s, m)``, and for an all-forwards-then-all-backwards (GPipe) schedule, which
@@ -130,46 +136,87 @@ def _bubble_worker(rank, world, ms, repeats, tf, tb, chunks=1):
                            chunks=chunks)
         it = _forever(torch.ones(1, 8), torch.zeros(1, 8))
         eng.train_batch(it)   # warm-up
-        # where the time goes: wall time per instruction class (summed over the batch)
-        per_instr = {}
+        # the stage's work for one micro-batch timed alone (plain autograd, same layers and loss),
+        # on every stage at once, right before the pipelined batches
+        alone_layers = [FixedCost(tf / chunks, tb / chunks) for _ in range(chunks)]
+        alone = []
+        dist.barrier()
+        for _ in range(repeats):
+            x = torch.ones(1, 8, requires_grad=rank > 0)
+            t0 = time.perf_counter()
+            h = x
+            for layer in alone_layers:
+                h = layer(h)
+            (_mse(h, torch.zeros(1, 8)) if rank == p - 1 else h.sum()).backward()
+            alone.append(time.perf_counter() - t0)
+        c_alone = statistics.median(alone)
+        # where the time goes: wall time per instruction class (summed over the batch), and the
+        # timestamps of the last batch's instructions (perf_counter is shared by the processes)
+        per_instr, events = {}, []
 
         def timed(cls, fn):
             def run(self, **kw):
                 t0 = time.perf_counter()
                 fn(self, **kw)
-                per_instr[cls.__name__] = per_instr.get(cls.__name__, 0.0) + time.perf_counter() - t0
+                t1 = time.perf_counter()
+                per_instr[cls.__name__] = per_instr.get(cls.__name__, 0.0) + t1 - t0
+                events.append((cls.__name__, t0, t1))
             return run
         eng._INSTRUCTIONS = {cls: timed(cls, fn) for cls, fn in type(eng)._INSTRUCTIONS.items()}
         msgs0, ahead0 = getattr(eng.p2p, "messages_sent", 0), getattr(eng.p2p, "posted_ahead", 0)
-        bubbles, waits, sched_bubbles, batch_times = [], [], [], []
+        bubbles, bubbles_pipe, waits, sched_bubbles, batch_times, host = [], [], [], [], [], []
         ACT["peak"] = ACT["live"]
         for _ in range(repeats):
+            events.clear()
             dist.barrier()
             t0 = time.perf_counter()
             eng.train_batch(it)
+            t_stage = time.perf_counter() - t0
             dist.barrier()
             T = time.perf_counter() - t0
             batch_times.append(T)
-            bubbles.append(1 - eng.compute_time / T)
+            bubbles.append(1 - m * c_alone / T)   # c_alone: all of this stage's chunks for one micro-batch
+            bubbles_pipe.append(1 - eng.compute_time / T)
             waits.append(eng.idle_time / T)
             # the pipelined part only: without this stage's gradient reduction and optimizer step
             sched_bubbles.append(1 - eng.compute_time / (T - eng.reduce_step_time))
+            # this stage's own time outside compute, receive waits and the reduction/step
+            host.append((t_stage - eng.compute_time - eng.idle_time - eng.reduce_step_time) / (m * chunks))
         peak_1f1b = ACT["peak"]
         per_instr_ms = {k: round(v / repeats * 1000, 2) for k, v in per_instr.items()}
         msgs = (getattr(eng.p2p, "messages_sent", 0) - msgs0) / repeats
         ahead = (getattr(eng.p2p, "posted_ahead", 0) - ahead0) / repeats
         eng._INSTRUCTIONS = type(eng)._INSTRUCTIONS
+        last_events = list(events)
         if chunks == 1:
             eng.train_schedule_cls = GPipeSchedule
             ACT["peak"] = ACT["live"]
             eng.train_batch(it)
         out[m] = {"bubble": statistics.median(bubbles), "bubble_spread": max(bubbles) - min(bubbles),
+                  "bubble_in_pipe": statistics.median(bubbles_pipe),
+                  "bubble_in_pipe_spread": max(bubbles_pipe) - min(bubbles_pipe),
+                  "compute_alone_ms": c_alone * 1000, "compute_in_pipe_ms": eng.compute_time / (m * chunks) * 1000,
+                  "host_ms_per_microbatch": statistics.median(host) * 1000,
                   "batch_time": statistics.median(batch_times),
                   "recv_wait": statistics.median(waits), "bubble_excl_step": statistics.median(sched_bubbles),
                   "peak_live_1f1b": peak_1f1b,
                   "peak_live_gpipe": ACT["peak"], "buffers_1f1b": min(p - rank, m),
-                  "per_instr_ms": per_instr_ms, "messages_sent_per_batch": msgs, "receives_posted_ahead_per_batch": ahead}
+                  "per_instr_ms": per_instr_ms, "messages_sent_per_batch": msgs, "receives_posted_ahead_per_batch": ahead,
+                  "events": last_events}
     return out
+
+
+def _hop_latencies(stage_events):
+    """Per hop between neighbouring stages whose receiver was already waiting: milliseconds from
+    the send's start to the receiver's return (transport plus the receiver's wake-up)."""
+    hops = []
+    for s in range(len(stage_events) - 1):
+        for send, recv, src, dst in (("SendActivation", "RecvActivation", s, s + 1),
+                                     ("SendGrad", "RecvGrad", s + 1, s)):
+            sends = [e for e in stage_events[src] if e[0] == send]
+            recvs = [e for e in stage_events[dst] if e[0] == recv]
+            hops += [(r[2] - a[1]) * 1000 for a, r in zip(sends, recvs) if r[1] < a[1]]
+    return hops
 
 
 def _step_worker(rank, world, steps, warmup):
@@ -225,15 +272,24 @@ def main():
               "load_avg_1min_before": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), "bubble": {}}
     for p in (args.stages if args.only != "step" else ()):
         ms = ms_of[p]
+        load_before = round(os.getloadavg()[0], 2)
         res = run_distributed(_bubble_worker, world_size=p, args=(ms, repeats, tf, tb), timeout=600)
         per_m = {}
         for m in ms:
             theory = (p - 1) / (m + p - 1)
             stages = [r[m] for r in res]
+            hops = _hop_latencies([s.pop("events") for s in stages])
             per_m[f"m={m}"] = {
                 "theory": round(theory, 4),
                 "bubble_per_stage": [round(s["bubble"], 4) for s in stages],
                 "bubble_spread_per_stage": [round(s["bubble_spread"], 4) for s in stages],
+                "bubble_in_pipe_per_stage": [round(s["bubble_in_pipe"], 4) for s in stages],
+                "max_rel_error_in_pipe": round(max(abs(s["bubble_in_pipe"] - theory) for s in stages) / theory, 4),
+                "compute_alone_ms_per_stage": [round(s["compute_alone_ms"], 2) for s in stages],
+                "compute_in_pipe_ms_per_stage": [round(s["compute_in_pipe_ms"], 2) for s in stages],
+                "host_ms_per_microbatch_per_stage": [round(s["host_ms_per_microbatch"], 3) for s in stages],
+                "hop_latency_ms_median": round(statistics.median(hops), 3) if hops else None,
+                "hops_timed": len(hops),
                 "bubble_excl_step_per_stage": [round(s["bubble_excl_step"], 4) for s in stages],
                 "recv_wait_per_stage": [round(s["recv_wait"], 4) for s in stages],
                 "max_rel_error_vs_theory": round(max(abs(s["bubble"] - theory) for s in stages) / theory, 4),
@@ -250,6 +306,7 @@ def main():
         result["bubble"][f"p={p}"] = per_m
         result.setdefault("p2p_one_way_latency_ms", {})[f"p={p}"] = round(res[0]["latency_s"] * 1000, 3)
         result.setdefault("load_avg_1min_after", {})[f"p={p}"] = round(os.getloadavg()[0], 2)
+        result.setdefault("load_avg_1min_before_p", {})[f"p={p}"] = load_before
         if args.no_interleaved:
             continue
         # interleaved 1F1B, 2 chunks per stage, same work per stage
@@ -259,11 +316,15 @@ def main():
         for m in [m for m in ms if m % p == 0]:
             theory = (p - 1) / (v * m + p - 1)
             stages = [r[m] for r in res]
+            for st in stages:
+                st.pop("events")
             one_f1b = result["bubble"][f"p={p}"][f"m={m}"]["bubble_per_stage"]
             per_m[f"m={m}"] = {
                 "theory": round(theory, 4), "theory_1f1b": round((p - 1) / (m + p - 1), 4),
                 "bubble_per_stage": [round(s["bubble"], 4) for s in stages],
                 "bubble_spread_per_stage": [round(s["bubble_spread"], 4) for s in stages],
+                "max_rel_error_vs_theory": round(max(abs(s["bubble"] - theory) for s in stages) / theory, 4),
+                "bubble_in_pipe_per_stage": [round(s["bubble_in_pipe"], 4) for s in stages],
                 "bubble_excl_step_per_stage": [round(s["bubble_excl_step"], 4) for s in stages],
                 "max_rel_error_excl_step": round(max(abs(s["bubble_excl_step"] - theory) for s in stages) / theory, 4),
                 "below_1f1b_on_every_stage": all(s["bubble"] < b for s, b in zip(stages, one_f1b)),

@@ -127,6 +127,7 @@ class PipelineEngine(DeepSpeedEngine):
         self.train_schedule_cls = S.InterleavedTrainSchedule if self.chunks > 1 else S.TrainSchedule
         self.data_iterator = None
         self.batch_fn = None
+        self._programs = {}          # built-in schedule parameters -> instruction list (see _program)
         self._force_grad_boundary = False
         self._proxies = {}           # key -> [(weight, proxy)] during a training batch
         self._tied_grads = None
@@ -173,7 +174,7 @@ class PipelineEngine(DeepSpeedEngine):
     def reset_activation_shape(self) -> None:
         """Send the activation description again with the next message (changes of shape are
         detected anyway; DeepSpeed's clients call this when the sequence length changes)."""
-        self.p2p._sent_meta.clear()
+        self.p2p.reset_descriptions()
 
     # ------------------------------------------------------------------ disabled facade calls
     def forward(self, *args, **kwargs):
@@ -277,17 +278,18 @@ class PipelineEngine(DeepSpeedEngine):
         self.idle_time, self.compute_time, self.reduce_step_time = 0.0, 0.0, 0.0
         try:
             # the whole program first: the receives it holds are posted ahead (see P2P.plan)
-            program = [(self._method_for(cmd), cmd) for cmds in sched.steps() for cmd in cmds]
-            n_act = sum(isinstance(cmd, S.RecvActivation) for _, cmd in program)
-            n_grad = sum(isinstance(cmd, S.RecvGrad) for _, cmd in program)
+            cmds, timed, n_act, n_grad = self._program(sched)
+            methods = {}
+            for cls in {type(cmd) for cmd in cmds}:
+                methods[cls] = self._method_for_class(cls)
             self.p2p.plan({(self.p2p.prev, self.p2p.act_tag): n_act, (self.p2p.next, self.p2p.grad_tag): n_grad})
-            for fn, cmd in program:
-                if isinstance(cmd, (S.ReduceTiedGrads, S.ReduceGrads, S.OptimizerStep)):
+            for cmd, step_part in zip(cmds, timed):
+                if step_part:
                     t0 = time.perf_counter()
-                    fn(self, **cmd.kwargs)
+                    methods[type(cmd)](self, **cmd.kwargs)
                     self.reduce_step_time += time.perf_counter() - t0
                 else:
-                    fn(self, **cmd.kwargs)
+                    methods[type(cmd)](self, **cmd.kwargs)
             self.p2p.wait_sends()
         except Exception as err:
             self.p2p.abandon()
@@ -299,11 +301,35 @@ class PipelineEngine(DeepSpeedEngine):
             self.p2p.abort(msg)
             raise
 
-    def _method_for(self, cmd):
-        for cls in type(cmd).__mro__:
+    # the built-in schedules depend on (micro_batches, stages, stage_id, chunks) only: their
+    # instruction lists are built once (user-written schedules run their steps() every time)
+    _CACHED_SCHEDULES = (S.TrainSchedule, S.InterleavedTrainSchedule, S.InferenceSchedule,
+                         S.InterleavedInferenceSchedule)
+
+    def _program(self, sched):
+        """(instructions, per instruction: whether it is reduction/step time, number of
+        RecvActivation, number of RecvGrad) for ``sched``."""
+        key = None
+        if type(sched) in self._CACHED_SCHEDULES:
+            key = (type(sched), sched.micro_batches, sched.stages, sched.stage_id, getattr(sched, "chunks", 1))
+            hit = self._programs.get(key)
+            if hit is not None:
+                return hit
+        cmds = [cmd for step in sched.steps() for cmd in step]
+        program = (cmds, [isinstance(c, (S.ReduceTiedGrads, S.ReduceGrads, S.OptimizerStep)) for c in cmds],
+                   sum(isinstance(c, S.RecvActivation) for c in cmds), sum(isinstance(c, S.RecvGrad) for c in cmds))
+        if key is not None:
+            self._programs[key] = program
+        return program
+
+    def _method_for_class(self, cmd_cls):
+        for cls in cmd_cls.__mro__:
             if cls in self._INSTRUCTIONS:
                 return self._INSTRUCTIONS[cls]
-        raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}.")
+        raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd_cls.__name__}.")
+
+    def _method_for(self, cmd):
+        return self._method_for_class(type(cmd))
 
     def _next_batch(self):
         if self.data_iterator is None:

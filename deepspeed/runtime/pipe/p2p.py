@@ -1,31 +1,41 @@
 """Point-to-point transport of activations and gradients between adjacent stages.
 
-A transfer on a channel starts with one *lead* message, whose first 16 bytes are a
-two-int64 header ``[kind, n]`` and whose size both sides know: the header plus the tensors
-of the channel's last transfer, packed (16-byte aligned), or just the header before the
-first transfer.
+A transfer on a channel (one peer, one direction, one kind of data) starts with one *lead*
+message whose size both sides know without asking: a 16-byte header ``[kind, n]`` followed by
+the tensors, packed (16-byte aligned), in the shapes of the transfer ``LAG`` (= 2) before it on
+the channel (just the header for the first ``LAG`` transfers).
 
-* ``kind = 0`` (SAME): the tensors have the same description as last time on this
-  channel and are inside the lead: one message per transfer.
-* ``kind = 1`` (NEW): a new description follows (``n`` int64s: per tensor dtype code,
-  requires_grad, ndim, shape...; activations only), then the tensors, one message each.
-  Descriptions are therefore sent once and again only when a shape or dtype changes.
-* ``kind = 2`` (ABORT, sent on both channels): ``n`` bytes of UTF-8 error text follow; the
-  receiver raises :class:`PipelineError` with it (and the engine passes the abort on), so
-  an exception on one stage stops every stage instead of leaving them blocked in ``recv``.
+* ``kind = 0`` (SAME): the tensors have the description of the transfer ``LAG`` before and are
+  inside the lead: one message per transfer. After the first ``LAG`` transfers of a shape this is
+  every transfer.
+* ``kind = 1`` (NEW): the tensors follow as messages of their own on the channel's *extras* tag,
+  preceded by ``n`` int64s of description (per tensor dtype code, requires_grad, ndim, shape...;
+  activations only) when it differs from the previous transfer's (``n = 0``: unchanged).
+  Descriptions are therefore sent once, and again only when a shape or dtype changes.
+* ``kind = 2`` (ABORT, sent on both channels): ``n`` bytes of UTF-8 error text follow on the
+  extras tag; the receiver raises :class:`PipelineError` with it (and the engine passes the abort
+  on), so an exception on one stage stops every stage instead of leaving them blocked in ``recv``.
 
-Activations and gradients travel with two different tags, so the two directions of traffic
-between one pair of ranks (interleaved schedules wrap around) never match each other; every
-engine gets its own pair of tags, so messages a failed engine left behind never reach a new one.
-Sends are non-blocking (``isend``) and completed by :meth:`P2P.wait_sends`; receives
-block with a timeout (``pipeline.p2p_timeout`` seconds in the config, default 300),
-after which they raise naming the peer stage. Boolean tensors travel as uint8.
+Why ``LAG`` 2: a receiver can then keep two leads posted per channel (:meth:`P2P.plan`), the
+second sized before the first has arrived. Why the extras tag: the follow-up messages of a NEW or
+ABORT transfer must not land in a lead posted ahead.
 
-Over gloo, the leads are posted ahead (:meth:`P2P.plan`), so the sender's message goes out
-at once and lands while the receiver computes.
+Activations and gradients travel with different tags, so the two directions of traffic between
+one pair of ranks (interleaved schedules wrap around) never match each other; every engine gets
+its own tags, so messages a failed engine left behind never reach a new one. Sends are
+non-blocking (``isend``) and completed by :meth:`P2P.wait_sends`; receives block with a timeout
+(``pipeline.p2p_timeout`` seconds in the config, default 300), after which they raise naming the
+peer stage. Boolean tensors travel as uint8.
+
+Over gloo the leads are posted ahead (:meth:`P2P.plan`): the sender's message goes out at once
+and lands while the receiver computes. Gloo's calls cost a thread hand-off each (tenths of a
+millisecond on a loaded host), so new receives are posted where the stage has just handed its
+own data on (after a send) or is about to wait anyway, not between a receive and the compute
+that needs it.
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import math
 import time
@@ -38,9 +48,11 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
            torch.int16, torch.int8, torch.uint8, torch.bool]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 SAME, NEW, ABORT = 0, 1, 2
-ACT_TAG, GRAD_TAG = 1, 2   # activations and gradients are separate channels (tags)
+ACT_TAG, GRAD_TAG = 0, 1   # activations and gradients are separate channels (tags)
+EXTRAS = 2                 # + EXTRAS: the channel's tag for the follow-up messages of NEW/ABORT
+LAG = 2                    # a lead is sized by the transfer LAG before it; up to LAG leads posted
 _CHANNELS = [0]            # P2P objects made in this process (engines are built collectively, so
-                           # the count agrees across ranks): each gets its own pair of tags
+                           # the count agrees across ranks): each gets its own four tags
 ABORT_WAIT_S = 3.0
 
 
@@ -97,23 +109,36 @@ def _unpack(buf: torch.Tensor, shapes) -> List[torch.Tensor]:
 _ABANDONED: list = []   # receives left posted by a failed schedule: kept alive, never freed under gloo
 
 
+class _Inbound:
+    """Receiving side of one channel: leads posted ahead (oldest first, each with the history
+    entry its size came from), receives still to post in this schedule, and the last ``LAG``
+    transfers received (``(wire shapes, description)``, oldest first; None before any)."""
+
+    __slots__ = ("posted", "todo", "hist", "descr")
+
+    def __init__(self):
+        self.posted = collections.deque()
+        self.todo = 0
+        self.hist = [None] * LAG
+        self.descr = None          # the description of the last transfer (activations)
+
+
 class P2P:
     """Channels of one stage to its neighbours (global ranks ``prev``/``next``, None at the ends).
 
-    Every transfer on a channel starts with one *lead* message of a size both sides know:
-    the header followed by the tensors, packed, in the shapes of the channel's last
-    transfer (just the 16-byte header before the first one). When the shapes are the
-    same (``kind`` SAME) the lead is the whole transfer: one message. Otherwise the lead's
-    header says NEW (the description, for activations, and the tensors follow as messages
-    of their own) or ABORT (the error text follows). Received tensors are views into the
-    lead.
+    Every transfer on a channel starts with one *lead* message of a size both sides know: the
+    header followed by the tensors, packed, in the shapes of the channel's transfer ``LAG``
+    before (just the 16-byte header before there is one). When the shapes are those (``kind``
+    SAME) the lead is the whole transfer: one message. Otherwise the lead's header says NEW (the
+    description, when it changed, and the tensors follow on the extras tag) or ABORT (the error
+    text follows there). Received tensors are views into the lead.
 
-    Receives are posted ahead (over gloo, see :meth:`plan`): :meth:`plan` says how many
-    receives each channel will see in the coming schedule; the first lead is posted at
-    once and each later one as soon as the one before it is consumed. Gloo sends a
-    message only once the receiver has posted a matching receive, so a receive posted
-    when the data is needed costs a round trip on the critical path; posted ahead, the
-    sender's message goes out at once and lands while the receiver computes."""
+    Receives are posted ahead over gloo: :meth:`plan` says how many receives each channel will
+    see in the coming schedule and posts the first of each; up to ``LAG`` more are posted as
+    the stage goes, right after each of its sends and before each wait (see the module
+    docstring). Gloo sends a message only once the receiver has posted a matching receive, so a
+    receive posted when the data is needed costs a round trip on the critical path; posted
+    ahead, the sender's message goes out at once and lands while the receiver computes."""
 
     def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], device="cpu",
                  timeout_s: Optional[float] = None, stage_id: int = 0):
@@ -121,28 +146,28 @@ class P2P:
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         self.stage_id = stage_id
-        self._sent_meta = {}      # (peer, tag) -> description last sent
-        self._recv_meta = {}      # (peer, tag) -> parsed description last received
-        self._sent_shapes = {}    # (peer, tag) -> [(wire dtype, shape)] last sent
-        self._recv_shapes = {}    # (peer, tag) -> [(wire dtype, shape)] last received
-        self._posted = {}         # (peer, tag) -> (lead buffer, work) posted ahead (one per channel)
-        self._ahead = {}          # (peer, tag) -> receives still to post in this schedule
+        self._in = {}             # (peer, tag) -> _Inbound
+        self._out_hist = {}       # (peer, tag) -> the last LAG transfers sent: (wire shapes, description)
+        self._out_meta = {}       # (peer, tag) -> the description of the last transfer sent
+        self._force_desc = set()  # channels whose next transfer sends its description again
         self._works = []          # (work, tensor) pending isends
+        self._pads = {}
         self.bytes_sent = 0
         self.descriptions_sent = 0   # how often a (new) tensor description went out
         self.messages_sent = 0
         self.posted_ahead = 0        # receives that were posted before they were needed
         self.post_ahead = dist.is_initialized() and dist.get_backend() == "gloo"
         self._same = torch.tensor([SAME, 0], dtype=torch.int64, device=device).view(torch.uint8)
-        # a fresh pair of tags per engine: messages left over by a failed engine (abort
-        # notices) can never be read by a later one
+        # fresh tags per engine: messages left over by a failed engine (abort notices) can never
+        # be read by a later one
         _CHANNELS[0] += 1
-        self.act_tag, self.grad_tag = 2 * _CHANNELS[0] + ACT_TAG, 2 * _CHANNELS[0] + GRAD_TAG
+        base = 4 * _CHANNELS[0]
+        self.act_tag, self.grad_tag = base + ACT_TAG, base + GRAD_TAG
 
     # ------------------------------------------------------------------ helpers
-    def _isend(self, t: torch.Tensor, dst: int, tag: Optional[int] = None):
+    def _isend(self, t: torch.Tensor, dst: int, tag: int):
         t = t.contiguous()
-        self._works.append((dist.isend(t, dst, tag=self.act_tag if tag is None else tag), t))
+        self._works.append((dist.isend(t, dst, tag=tag), t))
         self.bytes_sent += t.numel() * t.element_size()
         self.messages_sent += 1
 
@@ -157,28 +182,44 @@ class P2P:
             raise PipelineError(f"pipeline stage {self.stage_id}: no {what} from global rank {src} within "
                                 f"{self.timeout.total_seconds():.0f}s (pipeline.p2p_timeout).", src)
 
-    def _recv(self, t: torch.Tensor, src: int, what: str, tag: Optional[int] = None):
-        self._wait(dist.irecv(t, src, tag=self.act_tag if tag is None else tag), src, what)
+    def _recv(self, t: torch.Tensor, src: int, what: str, tag: int):
+        self._wait(dist.irecv(t, src, tag=tag), src, what)
         return t
 
-    def _post(self, src: int, tag: int):
-        lead = torch.empty(_packed_size(self._recv_shapes.get((src, tag), ())), dtype=torch.uint8,
+    def _post(self, key, inb: _Inbound) -> None:
+        """Post the lead of the channel's next unposted transfer (sized by the one LAG before)."""
+        entry = inb.hist[len(inb.posted)]
+        lead = torch.empty(_packed_size(entry[0] if entry is not None else ()), dtype=torch.uint8,
                            device=self.device)
-        return lead, dist.irecv(lead, src, tag=tag)
+        inb.posted.append((lead, dist.irecv(lead, key[0], tag=key[1]), entry))
+        if inb.todo > 0:
+            inb.todo -= 1
 
-    def _lead(self, dst: int, tag: int, kind: int, n: int, tensors=()) -> torch.Tensor:
-        """The lead message for ``dst``: the header, then ``tensors`` packed (SAME) or
-        nothing (NEW/ABORT: a placeholder of the size the receiver posted)."""
-        if kind == SAME:   # one concatenation: header, then each tensor's bytes at a 16-byte offset
-            parts, size = [self._same], HDR_BYTES
-            for t in tensors:
-                if size % ALIGN:
-                    parts.append(torch.zeros(ALIGN - size % ALIGN, dtype=torch.uint8, device=self.device))
-                    size += ALIGN - size % ALIGN
-                parts.append(t.reshape(-1).view(torch.uint8))
-                size += t.numel() * t.element_size()
-            return torch.cat(parts)
-        buf = torch.zeros(_packed_size(self._sent_shapes.get((dst, tag), ())), dtype=torch.uint8, device=self.device)
+    def _top_up(self) -> None:
+        """Post the receives due: up to LAG per channel, within the schedule's count."""
+        for key, inb in self._in.items():
+            while inb.todo > 0 and len(inb.posted) < LAG:
+                self._post(key, inb)
+
+    def _packed(self, wire) -> torch.Tensor:
+        """A SAME lead: the header, then each tensor's bytes at a 16-byte offset (one concatenation)."""
+        parts, size = [self._same], HDR_BYTES
+        for t in wire:
+            pad = -size % ALIGN
+            if pad:
+                if pad not in self._pads:
+                    self._pads[pad] = torch.zeros(pad, dtype=torch.uint8, device=self.device)
+                parts.append(self._pads[pad])
+                size += pad
+            parts.append(t.reshape(-1).view(torch.uint8))
+            size += t.numel() * t.element_size()
+        return torch.cat(parts)
+
+    def _placeholder(self, key, kind: int, n: int) -> torch.Tensor:
+        """A NEW/ABORT lead for ``key``: the header in a message of the size the receiver posted."""
+        entry = self._out_hist.get(key, [None])[0]
+        buf = torch.zeros(_packed_size(entry[0] if entry is not None else ()), dtype=torch.uint8,
+                          device=self.device)
         buf[:HDR_BYTES].view(torch.int64).copy_(torch.tensor([kind, n], dtype=torch.int64))
         return buf
 
@@ -190,79 +231,100 @@ class P2P:
         self.abandon()
         if not self.post_ahead:
             return
-        self._ahead = {k: n for k, n in receives.items() if n > 0 and k[0] is not None}
-        for key in list(self._ahead):
-            self._post_next(key)
+        for key, n in receives.items():
+            if n > 0 and key[0] is not None:
+                inb = self._in.setdefault(key, _Inbound())
+                inb.todo = n
+                self._post(key, inb)
 
-    def _post_next(self, key) -> None:
-        n = self._ahead.get(key, 0)
-        if n > 0 and key not in self._posted:
-            self._ahead[key] = n - 1
-            self._posted[key] = self._post(*key)
-
-    def _take(self, src: int, tag: int, what: str):
-        """The next transfer's lead on a channel: (kind, n, lead buffer)."""
-        posted = self._posted.pop((src, tag), None)
-        if posted is None:
-            posted = self._post(src, tag)
-        else:
+    def _take(self, key, what: str):
+        """The next transfer's lead on a channel: (kind, n, lead buffer, its size's history entry)."""
+        src, tag = key
+        inb = self._in.setdefault(key, _Inbound())
+        if inb.posted:
             self.posted_ahead += 1
-        lead, work = posted
+        else:
+            self._post(key, inb)
+        self._top_up()            # about to wait: post what is due now, not after the data is in
+        lead, work, entry = inb.posted.popleft()
         self._wait(work, src, what)
         kind, n = lead[:HDR_BYTES].view(torch.int64).tolist()
         if kind == ABORT:
-            text = self._recv(torch.zeros(n, dtype=torch.uint8, device=self.device), src, "abort message", tag)
+            text = self._recv(torch.zeros(n, dtype=torch.uint8, device=self.device), src, "abort message",
+                              tag + EXTRAS)
             raise PipelineError(bytes(text.tolist()).decode("utf-8", "replace"), src)
-        return kind, n, lead
+        return kind, n, lead, entry
 
     def abandon(self) -> None:
         """Forget receives posted ahead (after a failed schedule); gloo keeps their buffers."""
-        _ABANDONED.extend(self._posted.values())
-        self._posted.clear()
-        self._ahead.clear()
+        for inb in self._in.values():
+            _ABANDONED.extend(inb.posted)
+            inb.posted.clear()
+            inb.todo = 0
 
     def wait_sends(self) -> None:
         for w, _ in self._works:
             w.wait()
         self._works.clear()
 
+    def reset_descriptions(self) -> None:
+        """Send the activation description again with the next transfer on every channel."""
+        self._force_desc.update(k for k in self._out_hist if k[1] == self.act_tag)
+
+    def _send(self, key, wire, shapes, meta) -> None:
+        dst, tag = key
+        hist = self._out_hist.setdefault(key, [None] * LAG)
+        entry = (shapes, meta)
+        if hist[0] == entry and key not in self._force_desc:
+            self._isend(self._packed(wire), dst, tag)
+        else:   # the first LAG transfers, or new shapes: the tensors follow the lead
+            desc = meta is not None and (self._out_meta.get(key) != meta or key in self._force_desc)
+            self._isend(self._placeholder(key, NEW, len(meta) if desc else 0), dst, tag)
+            if desc:
+                self._isend(torch.tensor(meta, dtype=torch.int64, device=self.device), dst, tag + EXTRAS)
+                self.descriptions_sent += 1
+            for t in wire:
+                self._isend(t, dst, tag + EXTRAS)
+            self._force_desc.discard(key)
+        self._out_meta[key] = meta
+        hist.pop(0)
+        hist.append(entry)
+        self._top_up()            # this stage's data is on its way: post the receives due now
+
     # ------------------------------------------------------------------ activations
     def send_tensors(self, tensors: Sequence[torch.Tensor], dst: int, is_tuple: bool = True) -> None:
         wire = [(t.to(torch.uint8) if t.dtype == torch.bool else t).detach() for t in tensors]
-        meta = _describe(tensors, is_tuple)
-        key = (dst, self.act_tag)
-        if self._sent_meta.get(key) != meta:
-            self._isend(self._lead(dst, self.act_tag, NEW, len(meta)), dst)
-            self._isend(torch.tensor(meta, dtype=torch.int64, device=self.device), dst)
-            for t in wire:
-                self._isend(t, dst)
-            self._sent_meta[key] = meta
-            self.descriptions_sent += 1
-        else:
-            self._isend(self._lead(dst, self.act_tag, SAME, 0, wire), dst)
-        self._sent_shapes[key] = [(t.dtype, tuple(t.shape)) for t in wire]
+        self._send((dst, self.act_tag), wire, [(t.dtype, tuple(t.shape)) for t in wire],
+                   _describe(tensors, is_tuple))
 
     def recv_tensors(self, src: int, what: str = "activations"):
         """The tensors sent (a tuple, or one tensor when a single tensor was sent)."""
         key = (src, self.act_tag)
-        kind, n, lead = self._take(src, self.act_tag, what)
+        kind, n, lead, entry = self._take(key, what)
+        inb = self._in[key]
         if kind == NEW:
-            meta = self._recv(torch.zeros(n, dtype=torch.int64, device=self.device), src, what).tolist()
-            self._recv_meta[key] = _parse(meta)
-        elif key not in self._recv_meta:
+            if n:
+                inb.descr = _parse(self._recv(torch.zeros(n, dtype=torch.int64, device=self.device), src, what,
+                                              self.act_tag + EXTRAS).tolist())
+            elif inb.descr is None:
+                raise PipelineError(f"pipeline stage {self.stage_id}: {what} from rank {src} arrived without a "
+                                    f"description; the stages are out of step.")
+            descr = inb.descr
+            shapes = [(torch.uint8 if dtype == torch.bool else dtype, shape) for dtype, _, shape in descr[1]]
+            data = [self._recv(torch.empty(shape, dtype=wire, device=self.device), src, what, self.act_tag + EXTRAS)
+                    for wire, shape in shapes]
+        elif entry is None:
             raise PipelineError(f"pipeline stage {self.stage_id}: {what} from rank {src} arrived without a "
                                 f"description; the stages are out of step.")
-        is_tuple, descr = self._recv_meta[key]
-        shapes = [(torch.uint8 if dtype == torch.bool else dtype, shape) for dtype, _, shape in descr]
-        if kind == NEW:
-            data = [self._recv(torch.empty(shape, dtype=wire, device=self.device), src, what)
-                    for wire, shape in shapes]
         else:
+            shapes, descr = entry
             data = _unpack(lead, shapes)
-        self._recv_shapes[key] = shapes
-        self._post_next(key)
+        inb.descr = descr
+        inb.hist.pop(0)
+        inb.hist.append((shapes, descr))
+        is_tuple, parts = descr
         out = []
-        for (dtype, rg, _), t in zip(descr, data):
+        for (dtype, rg, _), t in zip(parts, data):
             if dtype == torch.bool:
                 t = t.to(torch.bool)
             if rg and t.is_floating_point():
@@ -272,31 +334,24 @@ class P2P:
 
     # ------------------------------------------------------------------ gradients
     def send_grads(self, grads: Sequence[torch.Tensor], dst: int) -> None:
-        key = (dst, self.grad_tag)
         grads = [g.detach() for g in grads]
-        shapes = [(g.dtype, tuple(g.shape)) for g in grads]
-        if self._sent_shapes.get(key) == shapes:
-            self._isend(self._lead(dst, self.grad_tag, SAME, 0, grads), dst, self.grad_tag)
-        else:   # first time, or new shapes: the tensors follow the lead
-            self._isend(self._lead(dst, self.grad_tag, NEW, 0), dst, self.grad_tag)
-            for g in grads:
-                self._isend(g, dst, self.grad_tag)
-        self._sent_shapes[key] = shapes
+        self._send((dst, self.grad_tag), grads, [(g.dtype, tuple(g.shape)) for g in grads], None)
 
     def recv_grads(self, like: Sequence[torch.Tensor], src: int) -> List[torch.Tensor]:
         key = (src, self.grad_tag)
-        kind, _, lead = self._take(src, self.grad_tag, "gradients")
+        kind, _, lead, entry = self._take(key, "gradients")
         shapes = [(t.dtype, tuple(t.shape)) for t in like]
         if kind == NEW:
-            data = [self._recv(torch.empty(shape, dtype=dtype, device=self.device), src, "gradients", self.grad_tag)
-                    for dtype, shape in shapes]
-        elif self._recv_shapes.get(key) != shapes:
+            data = [self._recv(torch.empty(shape, dtype=dtype, device=self.device), src, "gradients",
+                               self.grad_tag + EXTRAS) for dtype, shape in shapes]
+        elif entry is None or entry[0] != shapes:
             raise PipelineError(f"pipeline stage {self.stage_id}: gradients from rank {src} do not match the "
                                 f"outputs they belong to; the stages are out of step.")
         else:
             data = _unpack(lead, shapes)
-        self._recv_shapes[key] = shapes
-        self._post_next(key)
+        inb = self._in[key]
+        inb.hist.pop(0)
+        inb.hist.append((shapes, None))
         return data
 
     # ------------------------------------------------------------------ abort
@@ -311,8 +366,8 @@ class P2P:
                 continue
             for tag in (self.act_tag, self.grad_tag):   # the neighbour may be waiting on either channel
                 try:
-                    lead = self._lead(peer, tag, ABORT, data.numel())   # the size the neighbour posted
-                    works = [dist.isend(lead, peer, tag=tag), dist.isend(data, peer, tag=tag)]
+                    lead = self._placeholder((peer, tag), ABORT, data.numel())   # the size the neighbour posted
+                    works = [dist.isend(lead, peer, tag=tag), dist.isend(data, peer, tag=tag + EXTRAS)]
                     pending.setdefault(peer, []).append(works)
                 except Exception:  # noqa: BLE001 - best effort while failing
                     pass

@@ -1,7 +1,7 @@
-"""Pipeline p2p: after the first transfer a transfer is one message (header and tensors
-packed), and with receives posted ahead every transfer arrives intact and in order, also
-when the shapes change or a stage aborts (the message of the old size then carries only
-the header)."""
+"""Pipeline p2p: after the first LAG (2) transfers of a shape a transfer is one message (header
+and tensors packed), and with receives posted ahead (up to two per channel) every transfer
+arrives intact and in order, also when the shapes change or a stage aborts (the message of
+the old size then carries only the header; the rest follows on the channel's extras tag)."""
 from __future__ import annotations
 
 import torch
@@ -20,16 +20,19 @@ def _body(rank, world):
 
     # the receiver posts ahead (P2P.plan); the second transfer lands in a receive posted ahead
     if rank == 1:
-        p2p.plan({chan: 3})
+        p2p.plan({chan: 4})
     dist.barrier()
     if rank == 0:
-        p2p.send_tensors([a], 1, is_tuple=False)
-        before = p2p.messages_sent
-        p2p.send_tensors([a + 1], 1, is_tuple=False)
-        out["messages_same_shapes"] = p2p.messages_sent - before
+        counts = [p2p.messages_sent]
+        for k in range(3):
+            p2p.send_tensors([a + k], 1, is_tuple=False)
+            counts.append(p2p.messages_sent)
+        out["messages_per_transfer"] = [b - a_ for a_, b in zip(counts, counts[1:])]
+        out["descriptions"] = p2p.descriptions_sent
     if rank == 1:
         out["first"] = p2p.recv_tensors(0)
-        out["second"] = p2p.recv_tensors(0)   # posted when the first was consumed
+        out["second"] = p2p.recv_tensors(0)   # posted before the first was waited for
+        out["third"] = p2p.recv_tensors(0)
     if rank == 0:
         p2p.wait_sends()
     dist.barrier()
@@ -55,10 +58,12 @@ def _body(rank, world):
 
 def test_receives_posted_ahead_stay_in_step_through_shape_changes_and_abort():
     r0, r1 = run_distributed(_body, 2, timeout=120)
-    assert r0["messages_same_shapes"] == 1   # no header or description message of its own
+    # lead + description + tensor, then lead + tensor (description unchanged), then one message
+    assert r0["messages_per_transfer"] == [3, 2, 1]
+    assert r0["descriptions"] == 1
     a = torch.arange(12.0).reshape(3, 4)
-    assert torch.equal(r1["first"], a) and torch.equal(r1["second"], a + 1)
+    assert torch.equal(r1["first"], a) and torch.equal(r1["second"], a + 1) and torch.equal(r1["third"], a + 2)
     x, y = r1["changed"]
     assert torch.equal(x, a[:2]) and torch.equal(y, torch.arange(6)) and y.dtype == torch.int64
     assert r1["abort"] == "stage 0 broke on purpose"
-    assert r1["posted_ahead"] == 3
+    assert r1["posted_ahead"] == 4   # every planned receive; the abort notice is received on demand
