@@ -18,7 +18,7 @@ import hjson
 from pydantic import Field, field_validator
 
 from .base import DSConfigModel, parse_section
-from .errors import DeepSpeedConfigAssertionError, DeepSpeedConfigError
+from .errors import DeepSpeedConfigAssertionError, DeepSpeedConfigError, DeepSpeedConfigNotImplementedError
 from .compression_sections import CompressionTrainingSection
 from .data_sections import CurriculumLearningSection, DataEfficiencySection
 from .extra_sections import (AioSection, AutotuningSection, EigenvalueSection, ElasticitySection,
@@ -292,6 +292,16 @@ class DeepSpeedConfig:
         if z.offload_optimizer_device != "none" and z.stage == 0:
             raise DeepSpeedConfigError(
                 "zero_optimization.offload_optimizer requires zero_optimization.stage 1, 2 or 3, got stage 0.")
+        accum = m.data_types.grad_accum_dtype
+        model_dtype = "fp16" if m.fp16.enabled else "bf16" if m.bf16.enabled else "fp32"
+        if z.stage == 0 and accum is not None and accum != model_dtype and accum != "fp32":
+            # DeepSpeed (engine._do_optimizer_sanity_check): without ZeRO the gradients accumulate in the
+            # model dtype; ZeRO 1-3 take any grad_accum_dtype. Here fp32 accumulation of 16-bit training
+            # is also built at stage 0 (FP16_Optimizer / BF16_Optimizer with fp32 gradient buffers).
+            fits = f"'{model_dtype}'" + ("" if model_dtype == "fp32" else " or 'fp32'")
+            raise DeepSpeedConfigNotImplementedError(
+                f"data_types.grad_accum_dtype '{accum}' with {model_dtype} training at zero_optimization.stage 0: "
+                f"unsupported mix of model and gradient-accumulation dtypes; use {fits}, or ZeRO stage 1-3.")
 
     # -- typed sections --------------------------------------------------------
     @property

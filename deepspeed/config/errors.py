@@ -21,6 +21,11 @@ class DeepSpeedConfigAssertionError(DeepSpeedConfigError, AssertionError):
     ``AssertionError``); also a :class:`DeepSpeedConfigError`, hence a ``ValueError``."""
 
 
+class DeepSpeedConfigNotImplementedError(DeepSpeedConfigError, NotImplementedError):
+    """A combination DeepSpeed refuses with ``NotImplementedError`` (e.g. an unsupported mix of model
+    and gradient-accumulation dtypes without ZeRO); also a :class:`DeepSpeedConfigError`."""
+
+
 class FeatureNotAvailableError(DeepSpeedConfigError):
     """A config section that is parsed and valid but whose feature is not built."""
 

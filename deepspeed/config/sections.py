@@ -100,6 +100,9 @@ class OffloadOptimizerSection(DSConfigModel):
     pipeline_write: bool = False
     fast_init: bool = False
     ratio: float = Field(1.0, ge=0.0, le=1.0)
+    # ZeRO-3 + cpu: step sub-groups during backward (runtime/zero/stage3_offload_overlap.py)
+    super_offload: bool = False
+    cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)   # accepted; the worker uses torch's threads
 
 
 class OffloadParamSection(DSConfigModel):
@@ -236,6 +239,15 @@ class OptimizerSection(DSConfigModel):
     type: str
     params: Dict[str, Any] = Field(default_factory=dict)
     legacy_fusion: bool = False
+    # DeepSpeed reads torch_adam from params only and ignores this level (its own test_fp16.py puts it
+    # here); read here as params.torch_adam when params does not set it
+    torch_adam: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _torch_adam_into_params(self):
+        if self.torch_adam is not None and "torch_adam" not in self.params:
+            self.params = {**self.params, "torch_adam": self.torch_adam}
+        return self
 
 
 class SchedulerSection(DSConfigModel):

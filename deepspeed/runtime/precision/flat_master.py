@@ -103,7 +103,9 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         self.mixed = self.dtype != torch.float32
         accum = cfg.model.data_types.grad_accum_dtype
         self.grad_dtype = _ACCUM[accum] if accum else self.dtype
-        if self.grad_dtype not in (torch.float32, self.dtype):
+        # ZeRO-1/2 accumulate in any grad_accum_dtype, as DeepSpeed's stage_1_and_2; stage 0 takes the
+        # training dtype or fp32 (the config refuses other mixes with DeepSpeed's NotImplementedError)
+        if self.stage == 0 and self.grad_dtype not in (torch.float32, self.dtype):
             raise DeepSpeedConfigError(
                 f"data_types.grad_accum_dtype '{accum}' does not fit training in "
                 f"{ {v: k for k, v in _ACCUM.items()}[self.dtype]}: use 'fp32' or the training dtype.")
@@ -481,6 +483,8 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         for g, (lay, m) in enumerate(zip(self.layouts, self.masters)):
             if m is None:  # fp32 in place: the reduced chunks are the gradients, no copy
                 for t, c in zip(self.opt_tensors[g], self._grad_chunks(g)):
+                    if c.dtype != t.dtype:   # ZeRO-1/2 with a 16-bit grad_accum_dtype: the step reads fp32
+                        c = c.to(t.dtype)
                     t.grad = c
                     grads.append(c)
                 continue
