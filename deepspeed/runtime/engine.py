@@ -145,7 +145,7 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
                               param_groups=_normalize_param_groups(model, model_parameters),
                               optimizer_factory=factory, client_optimizer=client_optimizer)
         self.strategy = build_strategy(model, ctx)
-        self.optimizer = self.strategy.optimizer
+        self.optimizer = getattr(self.strategy, "engine_optimizer", self.strategy.optimizer)
         if self.optimizer is not None and not hasattr(self.optimizer, "overflow"):
             with contextlib.suppress(AttributeError):  # read-only on some optimizer wrappers
                 self.optimizer.overflow = False

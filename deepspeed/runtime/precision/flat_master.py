@@ -79,7 +79,10 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         if self._nvme is not None and not self._nvme.attach(self.inner):
             self._nvme = None       # no optimizer, nothing to swap: the masters stay in memory
             self._segment_masters()
-        self.optimizer = self if self.inner is not None else None
+        # engine.optimizer is this object; its .optimizer is the base optimizer that steps the masters
+        # (DeepSpeed's FP16_Optimizer / ZeRO optimizer .optimizer)
+        self.engine_optimizer = self if self.inner is not None else None
+        self.optimizer = self.inner
         self._hooks = [s.param.register_post_accumulate_grad_hook(partial(self._on_grad, s))
                        for lay in self.layouts for s in lay.slots]
         for lay in self.layouts:
