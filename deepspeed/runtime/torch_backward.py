@@ -141,7 +141,7 @@ class _OutputGroup:
 
 def _collect(out, acc, depth) -> None:
     if isinstance(out, torch.Tensor):
-        if out.requires_grad:
+        if out.requires_grad and not any(t is out for t in acc):   # one hook per tensor, however often returned
             acc.append(out)
     elif depth < 4:
         if isinstance(out, (tuple, list)):

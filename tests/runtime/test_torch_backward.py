@@ -72,8 +72,10 @@ def _reference(batches, gas, seed=0, scale=1.0):
 
 def _train(engine, batches, rank, how):
     for x, y in batches:
-        loss, _ = engine(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
-        if how == "engine":
+        loss, pred = engine(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+        if how == "pred":   # a loss of the user's own, from the prediction only
+            ((pred - y[2 * rank:2 * rank + 2]) ** 2).mean().backward()
+        elif how == "engine":
             engine.backward(loss)
         elif how == "scale":
             engine.scale(loss).backward()
@@ -86,9 +88,10 @@ def _train(engine, batches, rank, how):
 def _body(rank, world_size):
     out = {}
     batches = _batches(4)
-    # 1. loss.backward() + engine.step() at every stage, gas 2 (two optimizer steps)
+    # 1. loss.backward() + engine.step() at every stage, gas 2 (two optimizer steps); the model's
+    #    loss output, or a loss of the user's own from its prediction output
     for stage in (0, 1, 2, 3):
-        for how in ("engine", "torch"):
+        for how in ("engine", "torch", "pred"):
             e = _engine(stage)
             out[(stage, how)] = _train(e, batches, rank, how)
             e.destroy()
@@ -188,6 +191,7 @@ def test_user_driven_backward_matches_engine_backward_and_pytorch():
         for stage in (0, 1, 2, 3):
             _close(r[(stage, "torch")], r[(stage, "engine")])
             _close(r[(stage, "torch")], ref, tol=1e-5)
+            _close(r[(stage, "pred")], ref, tol=1e-5)
         # 2. fp16
         assert r["fp16_error"] is not None and "Loss scaling is required" in r["fp16_error"] \
             and "engine.scale(loss).backward()" in r["fp16_error"], r["fp16_error"]
