@@ -74,6 +74,34 @@ def host_zeros(shape, dtype=torch.float32) -> torch.Tensor:
     return t.zero_()
 
 
+def adam_rollback_(p, grad, exp_avg, exp_avg_sq, step: int, *, lr, beta1, beta2, eps, weight_decay,
+                   bias_correction, adam_w_mode) -> None:
+    """Undo one Adam/AdamW update in place: given the parameter and moments after step
+    ``step`` and the gradient it used, solve the update formula back for the parameter and
+    moments before it (in float64, written back in each tensor's dtype; exact up to rounding).
+    The caller decrements its step count."""
+    if beta1 <= 0.0 or beta2 <= 0.0:
+        raise ValueError(f"Adam rollback: betas ({beta1}, {beta2}) - a step with beta 0 forgets the previous "
+                         f"moments, so it cannot be rolled back.")
+    f64 = torch.float64
+    m, v = exp_avg.to(f64), exp_avg_sq.to(f64)
+    x, g = p.detach().to(f64), grad.to(f64)
+    bc1 = 1.0 - beta1 ** step if bias_correction else 1.0
+    bc2 = 1.0 - beta2 ** step if bias_correction else 1.0
+    x = x + lr * (m / bc1) / (v.sqrt() / bc2 ** 0.5 + eps)
+    if weight_decay != 0.0:
+        if adam_w_mode:
+            x = x / (1.0 - lr * weight_decay)
+        else:
+            # Adam/L2: the step used g + wd * (parameter before it), as stored in p's dtype
+            g = g + weight_decay * x.to(p.dtype).to(f64)
+    m = (m - (1.0 - beta1) * g) / beta1
+    v = ((v - (1.0 - beta2) * g * g) / beta2).clamp_(min=0.0)
+    p.detach().copy_(x)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+
+
 class DeepSpeedCPUAdam(FusedAdam):
     """Adam/AdamW for CPU-resident parameters, with DeepSpeed's ``DeepSpeedCPUAdam`` signature.
 
@@ -161,28 +189,8 @@ class DeepSpeedCPUAdam(FusedAdam):
         if step <= 0:
             raise RuntimeError(f"Cannot rollback sub_group_id {sub_group_id}: step count is {step}")
         group, p = self._subgroup_param("rollback_subgroup")
-        hp = self._hparams(group)
-        b1, b2, lr, wd, eps = hp["beta1"], hp["beta2"], hp["lr"], hp["weight_decay"], hp["eps"]
-        if b1 <= 0.0 or b2 <= 0.0:
-            raise ValueError(f"DeepSpeedCPUAdam.rollback_subgroup: betas {group['betas']} - a step with beta 0 "
-                             f"forgets the previous moments, so it cannot be rolled back.")
-        f64 = torch.float64
-        m, v = state["exp_avg"].to(f64), state["exp_avg_sq"].to(f64)
-        x, g = p.detach().to(f64), p.grad.to(f64)
-        bc1 = 1.0 - b1 ** step if hp["bias_correction"] else 1.0
-        bc2 = 1.0 - b2 ** step if hp["bias_correction"] else 1.0
-        x = x + lr * (m / bc1) / (v.sqrt() / bc2 ** 0.5 + eps)
-        if wd != 0.0:
-            if self.adam_w_mode:
-                x = x / (1.0 - lr * wd)
-            else:
-                # Adam/L2: the step used g + wd * (parameter before it), as stored in p's dtype
-                g = g + wd * x.to(p.dtype).to(f64)
-        m = (m - (1.0 - b1) * g) / b1
-        v = ((v - (1.0 - b2) * g * g) / b2).clamp_(min=0.0)
-        p.copy_(x)
-        state["exp_avg"].copy_(m)
-        state["exp_avg_sq"].copy_(v)
+        adam_rollback_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step, adam_w_mode=self.adam_w_mode,
+                       **self._hparams(group))
         state["step"].sub_(1.0)
         return loss
 

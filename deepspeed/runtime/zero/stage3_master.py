@@ -24,14 +24,22 @@ are bounded by that size. On the host, with DeepSpeed's Adam, there are no such
 copies: the 16-bit gradients are cast a cache-sized slice at a time into a small
 staging buffer, for the norm and again for the update (``FusedAdam.step_streamed``;
 see ``runtime/precision/streamed.py``, shared with the flat strategies).
+
+With ``offload_optimizer.super_offload`` the chunks are stepped during backward, each as
+soon as its gradients are in (:mod:`.stage3_offload_overlap`; resolved at the first
+gradient, from the owning strategy's config). The step's work shows in the engine's step
+trace as ``offload.*`` ranges (``offload.grad_to_host``: reduced gradients added into the
+chunks' gradient buffers; ``offload.optimizer_subgroup``: the optimizer over one chunk).
 """
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from ..precision.streamed import STREAM_CHUNK, sliced_norms, staging_buffer, sum_of_squares
 
 _FP32 = torch.float32
+_UNSET = object()
 
 
 class Chunk:
@@ -86,6 +94,19 @@ class MasterPartitions:
                 self._build(c, share_master, pin)
                 self.chunks.append(c)
         self._chunk_index = {id(c): i for i, c in enumerate(self.chunks)}
+        self._ovl = _UNSET              # OverlapStepper (super_offload) or None, resolved on first use
+
+    def _overlap(self):
+        if self._ovl is _UNSET:
+            from .stage3_offload_overlap import plan_overlap
+            self._ovl = plan_overlap(self) if self.chunks else None
+        return self._ovl
+
+    def _settle(self) -> None:
+        """Before the partitions are read or written from outside the step: no speculative
+        update outstanding (super_offload), so they hold the state before the step."""
+        if self._ovl is not _UNSET and self._ovl is not None:
+            self._ovl.rollback_all()
 
     def _build(self, c: Chunk, share: bool, pin: bool) -> None:
         dev = c.params[0]._z3.partition_device
@@ -130,6 +151,7 @@ class MasterPartitions:
         NVMe the swapped ones read back as ordinary tensors, or with ``mapped`` as views of a
         memory map of the swap file, for a checkpoint save)."""
         from ..checkpoint.universal import split_param_state
+        self._settle()
         c = self.chunks[index]
         state = optimizer.state.get(c.master, {}) if optimizer is not None else {}
         per_elem, scalars = split_param_state(state, c.master.shape)
@@ -140,12 +162,15 @@ class MasterPartitions:
 
     def master_for_load(self, index: int) -> torch.Tensor:
         """The tensor a checkpoint load writes chunk ``index``'s fp32 master into."""
+        self._settle()
         if self.nvme is None:
             return self.chunks[index].master
         return self.nvme._master_from_partitions(self.chunks[index])
 
     def close(self) -> None:
-        """Delete the swap files (engine.destroy())."""
+        """Delete the swap files (engine.destroy()); stop the super_offload worker."""
+        if self._ovl is not _UNSET and self._ovl is not None:
+            self._ovl.close()
         if self.nvme is not None:
             self.nvme.close()
 
@@ -162,8 +187,14 @@ class MasterPartitions:
 
     def accumulate(self, p, reduced: torch.Tensor) -> None:
         c, off, s = self.slot[id(p)]
+        ov = self._overlap()
+        if ov is not None:
+            ov.before_add(self._chunk_index[id(c)])
         # blocking: a non-blocking device-to-host copy could be read before it lands
-        c.grad[off:off + s].add_(reduced.to(device=c.grad.device, dtype=c.grad.dtype))
+        with record_function("offload.grad_to_host"):
+            c.grad[off:off + s].add_(reduced.to(device=c.grad.device, dtype=c.grad.dtype))
+        if ov is not None:
+            ov.added(self._chunk_index[id(c)], s)
 
     def slot_order(self, p):
         """Sort key of ``p``'s partition in this rank's layout (chunk index, offset)."""
@@ -174,35 +205,44 @@ class MasterPartitions:
         """``items``: (param, offset in ``reduced``, size), in slot order. Runs of partitions that
         are adjacent both in ``reduced`` and in one chunk's gradient go in one add."""
         run = None   # [chunk, chunk offset, reduced offset, length]
-        for p, roff, s in items:
-            c, off, _ = self.slot[id(p)]
-            if run is not None and run[0] is c and run[1] + run[3] == off and run[2] + run[3] == roff:
-                run[3] += s
-                continue
+        ov = self._overlap()
+        with record_function("offload.grad_to_host"):
+            for p, roff, s in items:
+                c, off, _ = self.slot[id(p)]
+                if run is not None and run[0] is c and run[1] + run[3] == off and run[2] + run[3] == roff:
+                    run[3] += s
+                    continue
+                if run is not None:
+                    self._add_run(*run, reduced, ov)
+                run = [c, off, roff, s]
             if run is not None:
-                self._add_run(*run, reduced)
-            run = [c, off, roff, s]
-        if run is not None:
-            self._add_run(*run, reduced)
+                self._add_run(*run, reduced, ov)
 
-    @staticmethod
-    def _add_run(c, off, roff, n, reduced) -> None:
+    def _add_run(self, c, off, roff, n, reduced, ov=None) -> None:
+        if ov is not None:
+            ov.before_add(self._chunk_index[id(c)])
         # blocking: a non-blocking device-to-host copy could be read before it lands
         src = reduced[roff:roff + n]
         dst = c.grad[off:off + n]
         if src.device != dst.device:
             src = src.to(dst.device)
         dst.add_(src)    # add_ casts the dtype itself
+        if ov is not None:   # the chunk's last gradient in: super_offload hands it to the worker
+            ov.added(self._chunk_index[id(c)], n)
 
     def zero_grads(self) -> None:
+        if self._ovl is not _UNSET and self._ovl is not None:
+            self._ovl.reset()      # a step skipped after speculative updates: they are undone
         for c in self.chunks:
             c.grad.zero_()
 
     def grad_view(self, p):
+        self._settle()
         c, off, s = self.slot[id(p)]
         return c.grad[off:off + s]
 
     def master_view(self, p):
+        self._settle()
         if self.nvme is not None:
             raise RuntimeError("ZeRO-3 with offload_optimizer.device 'nvme': the fp32 masters live in swap files; "
                                "there is no in-memory view of them (save a checkpoint to read them).")
@@ -211,10 +251,16 @@ class MasterPartitions:
 
     def local_sq_norm(self, param_filter=None) -> torch.Tensor:
         """Sum of squares of this rank's gradient partitions (float64 scalar)."""
+        ov = self._ovl if self._ovl is not _UNSET else None
+        if ov is not None and param_filter is None:
+            ov.drain()   # the worker computed the norms of the chunks it stepped: same values, same order
+            norms = [n for i, c in enumerate(self.chunks) for n in (ov.norms.get(i) or self._chunk_norms(c))]
+            return sum_of_squares(norms)
         if param_filter is None:
             grads = [c.grad for c in self.chunks]
         else:
-            grads = [self.grad_view(p) for c in self.chunks for p in c.params if param_filter(p)]
+            grads = [c.grad[off:off + s] for c in self.chunks for p in c.params if param_filter(p)
+                     for _, off, s in [self.slot[id(p)]]]
         if not grads:
             return torch.zeros((), dtype=torch.float64)
         total = torch.zeros((), dtype=torch.float64)
@@ -228,6 +274,10 @@ class MasterPartitions:
                 norms = torch._foreach_norm(gs, 2.0, dtype=_FP32)   # one fused launch, no copies
             total += sum_of_squares(norms).cpu()  # one sync per device
         return total
+
+    def _chunk_norms(self, c):
+        """The norms ``local_sq_norm`` sums for chunk ``c`` (host gradients)."""
+        return self._host_norms([c.grad])
 
     def _host_norms(self, grads):
         """L2 norms of host gradients, 16-bit ones cast a slice at a time into one small
@@ -251,15 +301,21 @@ class MasterPartitions:
         if self.nvme is not None:
             self.nvme.step(optimizer, coef, self._use_streamed(optimizer), self.stream_chunk)
             return
+        ov = self._overlap()
+        if ov is not None:
+            ov.step(optimizer, coef)
+            return
         wave, n = [], 0
         for c in self.chunks:
             if wave and n + c.numel > self.sub_group_size:
-                self._step_wave(optimizer, wave, coef)
+                with record_function("offload.optimizer_subgroup"):
+                    self._step_wave(optimizer, wave, coef)
                 wave, n = [], 0
             wave.append(c)
             n += c.numel
         if wave:
-            self._step_wave(optimizer, wave, coef)
+            with record_function("offload.optimizer_subgroup"):
+                self._step_wave(optimizer, wave, coef)
 
     def _use_streamed(self, optimizer) -> bool:
         if self.streamed is None:
@@ -307,6 +363,7 @@ class MasterPartitions:
 
     def refresh_master_from_partitions(self, params=None) -> None:
         """Copy partitions (e.g. just loaded or modified) into the fp32 master."""
+        self._settle()
         if self.nvme is not None:
             self.nvme.refresh_from_partitions(params)
             return
@@ -322,6 +379,7 @@ class MasterPartitions:
                         c.master[off:off + s].copy_(c.lp[off:off + s])
 
     def copy_master_to_partitions(self) -> None:
+        self._settle()
         if self.nvme is not None:
             self.nvme.copy_to_partitions()
             return
