@@ -219,7 +219,7 @@ class PipelineSection(DSConfigModel):
 
 
 class ProgressiveLayerDropSection(FeatureSection):
-    theta: float = Field(1.0, gt=0.0, le=1.0)
+    theta: float = Field(1.0, ge=0.0, le=1.0)   # 0: every layer's keep probability decays to 0
     gamma: float = Field(0.001, gt=0.0)
 
 

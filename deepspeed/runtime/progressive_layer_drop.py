@@ -12,18 +12,18 @@ step, as DeepSpeed does; ``engine.get_pld_theta()`` reads it.
 """
 from __future__ import annotations
 
-import math
+import numpy as np
 
 from ..utils.logging import log_dist
 from .engine_features import EngineFeature, register_feature
 
 
 class ProgressiveLayerDrop:
-    """``theta``: the final keep probability (0 < theta <= 1); ``gamma``: the decay rate."""
+    """``theta``: the final keep probability (0 <= theta <= 1); ``gamma``: the decay rate."""
 
     def __init__(self, theta: float = 0.5, gamma: float = 0.001):
-        if not 0.0 < theta <= 1.0:
-            raise ValueError(f"progressive_layer_drop.theta must be in (0, 1], got {theta}.")
+        if not 0.0 <= theta <= 1.0:
+            raise ValueError(f"progressive_layer_drop.theta must be in [0, 1], got {theta}.")
         if gamma <= 0.0:
             raise ValueError(f"progressive_layer_drop.gamma must be > 0, got {gamma}.")
         self.theta = theta
@@ -38,7 +38,8 @@ class ProgressiveLayerDrop:
         return self.current_theta
 
     def update_state(self, global_step: int) -> None:
-        self.current_theta = (1.0 - self.theta) * math.exp(-self.gamma * global_step) + self.theta
+        # numpy's exp, as DeepSpeed: math.exp differs from it in the last bit for some steps
+        self.current_theta = float((1.0 - self.theta) * np.exp(-self.gamma * global_step) + self.theta)
 
 
 class _PLDFeature(EngineFeature):

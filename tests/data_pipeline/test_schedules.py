@@ -94,4 +94,8 @@ def test_pld_theta_follows_the_paper():
         assert pld.get_theta() == pytest.approx((1 - 0.5) * math.exp(-0.01 * t) + 0.5, rel=1e-12)
     assert pld.get_theta() == pytest.approx(0.5 + 0.5 * math.exp(-10))
     with pytest.raises(ValueError, match="theta"):
-        ProgressiveLayerDrop(theta=0.0)
+        ProgressiveLayerDrop(theta=-0.1)
+    # theta 0 (DeepSpeed accepts it): the keep probability decays towards 0
+    zero = ProgressiveLayerDrop(theta=0.0, gamma=0.01)
+    zero.update_state(100)
+    assert zero.get_theta() == pytest.approx(math.exp(-1.0), rel=1e-12)
