@@ -271,6 +271,7 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
         if self._features:
             self._features.before_backward(self, loss)
         gas = self.gradient_accumulation_steps()
+        returned = loss / gas if scale_wrt_gas and gas > 1 else loss   # DeepSpeed 0.19: in the loss's dtype
         if scale_wrt_gas and gas > 1:
             loss = loss.float() / gas  # DeepSpeed: _scale_loss_by_gas(loss.float())
         # DeepSpeed returns the loss after the accumulation division, never multiplied by
@@ -289,7 +290,7 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
         if obs is not None:
             obs.backward_end()
         self.timers(BACKWARD).stop()
-        return loss
+        return returned
 
     def allreduce_gradients(self, bucket_size=None):
         """Reduce across the data-parallel ranks the gradients that a boundary

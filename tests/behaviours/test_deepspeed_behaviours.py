@@ -77,8 +77,8 @@ def test_launcher_sets_local_size_and_cpu_visible_devices():
 
 # ------------------------------------------------------------------ engine
 def test_backward_returns_the_loss_not_the_fp16_scaled_loss():
-    """DeepSpeed source (runtime/engine.py, backward): returns the loss after the gradient
-    accumulation division (``loss.float() / gas``), never multiplied by the loss scale."""
+    """DeepSpeed 0.19 source (runtime/engine.py, backward): returns the loss after the gradient
+    accumulation division (``loss / gas``, in the loss's dtype), never multiplied by the loss scale."""
     model = make_model()
     engine, *_ = deepspeed.initialize(model=model, config=_cfg(
         gradient_accumulation_steps=2, fp16={"enabled": True, "initial_scale_power": 10},
@@ -87,8 +87,8 @@ def test_backward_returns_the_loss_not_the_fp16_scaled_loss():
     x = torch.randn(2, 8).half()
     loss = engine(x, torch.randn(2, 4).half())
     out = engine.backward(loss)
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, loss.detach().float() / 2)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, loss.detach() / 2)
 
 
 def test_backward_return_without_accumulation_is_the_loss_itself():
