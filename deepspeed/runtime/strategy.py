@@ -122,6 +122,11 @@ class TrainingStrategy(ABC):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
+    def needs_scaler(self) -> bool:
+        """Whether a backward needs the loss scaled first (fp16): DeepSpeed 0.19's optimizer method;
+        a user-driven ``loss.backward()`` without ``engine.scale(loss)`` is refused then."""
+        return bool(self.ctx.config.fp16_enabled)
+
     # -- state ------------------------------------------------------------------------
     def module_state_dict(self) -> dict:
         """Full (unpartitioned) module state dict. Every rank must call it (collective at

@@ -93,7 +93,7 @@ class TorchBackward:
         if eng.eigenvalue_enabled():
             raise RuntimeError("The eigenvalue section needs the loss itself: with eigenvalue.enabled, call "
                                "engine.backward(loss) instead of loss.backward().")
-        if eng.config_obj.fp16_enabled and not self.scale_called:
+        if eng.strategy.needs_scaler() and not self.scale_called:
             raise RuntimeError("Loss scaling is required for this configuration (fp16.enabled), but backward() was "
                                "called directly without scaling the loss. Use engine.backward(loss), or "
                                "engine.scale(loss).backward().")
