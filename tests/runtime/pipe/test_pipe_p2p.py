@@ -43,6 +43,19 @@ def _body(rank, world):
     if rank == 1:
         out["changed"] = p2p.recv_tensors(0)
     dist.barrier()
+    # gradients whose shapes alternate: a lead is sized by the transfer two before, so from the
+    # third transfer on each is one message again (received on demand here: nothing planned)
+    g = [torch.arange(6.0).reshape(2, 3), torch.arange(4.0) * 10]
+    if rank == 0:
+        counts = [p2p.messages_sent]
+        for k in range(4):
+            p2p.send_grads([g[k % 2] + k], 1)
+            counts.append(p2p.messages_sent)
+        out["grad_messages"] = [b - a_ for a_, b in zip(counts, counts[1:])]
+        p2p.wait_sends()
+    if rank == 1:
+        out["grads"] = [p2p.recv_grads([g[k % 2]], 0)[0].clone() for k in range(4)]
+    dist.barrier()
     # a failing sender: the abort notice arrives whole although a receive was posted ahead
     if rank == 0:
         p2p.abort("stage 0 broke on purpose")
@@ -65,5 +78,8 @@ def test_receives_posted_ahead_stay_in_step_through_shape_changes_and_abort():
     assert torch.equal(r1["first"], a) and torch.equal(r1["second"], a + 1) and torch.equal(r1["third"], a + 2)
     x, y = r1["changed"]
     assert torch.equal(x, a[:2]) and torch.equal(y, torch.arange(6)) and y.dtype == torch.int64
+    assert r0["grad_messages"] == [2, 2, 1, 1]
+    assert all(torch.equal(r1["grads"][k], torch.arange(6.0).reshape(2, 3) + k if k % 2 == 0 else
+                           torch.arange(4.0) * 10 + k) for k in range(4))
     assert r1["abort"] == "stage 0 broke on purpose"
     assert r1["posted_ahead"] == 4   # every planned receive; the abort notice is received on demand
