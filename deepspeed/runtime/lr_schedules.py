@@ -58,7 +58,7 @@ _SPECS: Dict[str, Dict[str, tuple]] = {
                 "decay_lr_rate": ("nonneg", 0.0), "cycle_first_step_size": ("pos_number", 2000),
                 "cycle_second_step_size": ("nonneg_or_none", None), "cycle_first_stair_count": ("int", 0),
                 "cycle_second_stair_count": ("int_or_none", None), "decay_step_size": ("nonneg", 0),
-                "cycle_momentum": ("bool", True), "cycle_min_mom": ("unit", 0.8), "cycle_max_mom": ("unit", 0.9),
+                "cycle_momentum": ("bool", True), "cycle_min_mom": ("units", 0.8), "cycle_max_mom": ("units", 0.9),
                 "decay_mom_rate": ("number", 0.0)},
     # DeepSpeed 0.19: WarmupLR without warmup_max_lr warms up to each group's own lr
     WARMUP_LR: {**_WARMUP, "warmup_max_lr": ("lrs_or_none", None)},
@@ -74,6 +74,7 @@ _KIND_TEXT = {"lrs": "a non-negative number or a list of them (one per parameter
               "pos_number_or_none": "a positive number or null", "nonneg_or_none": "a non-negative number or null",
               "nonneg": "a non-negative number",
               "number": "a number", "bool": "true or false", "unit": "a number in [0, 1]",
+              "units": "a number in [0, 1] or a list of them (one per parameter group)",
               "warmup_type": "'log' or 'linear'", "iteration": "an integer >= -1"}
 
 
@@ -95,6 +96,8 @@ def _kind_ok(kind: str, v) -> bool:
         "int": lambda: _is_int(v), "pos_number": lambda: _is_num(v) and v > 0,
         "nonneg": lambda: _is_num(v) and v >= 0, "number": lambda: _is_num(v),
         "bool": lambda: isinstance(v, bool), "unit": lambda: _is_num(v) and 0 <= v <= 1,
+        "units": lambda: (_is_num(v) and 0 <= v <= 1) or (isinstance(v, (list, tuple)) and len(v) > 0
+                                                         and all(_is_num(x) and 0 <= x <= 1 for x in v)),
         "warmup_type": lambda: v in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE),
         "iteration": lambda: _is_int(v) and v >= -1,
     }
@@ -120,7 +123,11 @@ def check_scheduler_params(name: str, params: Dict[str, Any]) -> None:
                                    f"(required: {', '.join(missing)}).")
     if name == ONE_CYCLE:
         lo, hi = params.get("cycle_min_mom", 0.8), params.get("cycle_max_mom", 0.9)
-        if params.get("cycle_momentum", True) and lo > hi:
+        los, his = (list(lo) if isinstance(lo, (list, tuple)) else [lo]), (list(hi) if isinstance(hi, (list, tuple))
+                                                                           else [hi])
+        n = max(len(los), len(his))   # a number pairs with every group's value (lengths are checked later)
+        los, his = (los * n if len(los) == 1 else los), (his * n if len(his) == 1 else his)
+        if params.get("cycle_momentum", True) and any(a > b for a, b in zip(los, his)):
             raise DeepSpeedConfigError(f"scheduler.params.cycle_min_mom ({lo}) must not exceed "
                                        f"scheduler.params.cycle_max_mom ({hi}) (scheduler 'OneCycle').")
 
@@ -266,7 +273,10 @@ class OneCycle(_Schedule):
         self.max_lrs = self._groups("cycle_max_lr", cycle_max_lr)
         self.decay_lr_rate, self.decay_mom_rate = decay_lr_rate, decay_mom_rate
         self.decay_step_size = decay_step_size
-        self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
+        # a number, or one per parameter group (DeepSpeed 0.19)
+        self.min_moms = self._groups("cycle_min_mom", cycle_min_mom)
+        self.max_moms = self._groups("cycle_max_mom", cycle_max_mom)
+        self.min_mom, self.max_mom = self.min_moms[0], self.max_moms[0]
         self.cycle_momentum, self._mom_key = cycle_momentum, None
         if cycle_momentum:
             groups = self.optimizer.param_groups
@@ -279,6 +289,17 @@ class OneCycle(_Schedule):
                                f"has neither 'betas' nor 'momentum' in its parameter groups.")
                 self.cycle_momentum = False
         self._apply()
+        if self.cycle_momentum and self.last_batch_iteration == -1:
+            # DeepSpeed 0.19 starts every group at its cycle_min_mom (the first step() moves it onto the
+            # cycle, near cycle_max_mom)
+            self._write_moms(self.min_moms)
+
+    def _write_moms(self, moms) -> None:
+        for group, mom in zip(self.optimizer.param_groups, moms):
+            if self._mom_key == "betas":
+                group["betas"] = (mom, group["betas"][1])
+            else:
+                group["momentum"] = mom
 
     def _scale(self) -> float:
         k = (self.last_batch_iteration + 1) % self.total_size
@@ -319,20 +340,16 @@ class OneCycle(_Schedule):
 
     def _mom_values(self) -> List[float]:
         if self._in_cycle():
-            mom = self.max_mom - (self.max_mom - self.min_mom) * self._scale()
-        else:
-            mom = self.max_mom * (1.0 + self.decay_mom_rate * self._decay_interval(self.decay_mom_rate))
-        return [mom] * len(self.optimizer.param_groups)
+            s = self._scale()
+            return [hi - (hi - lo) * s for lo, hi in zip(self.min_moms, self.max_moms)]
+        factor = 1.0 + self.decay_mom_rate * self._decay_interval(self.decay_mom_rate)
+        return [hi * factor for hi in self.max_moms]
 
     def _apply(self) -> None:
         super()._apply()
         if not self.cycle_momentum:
             return
-        for group, mom in zip(self.optimizer.param_groups, self._mom_values()):
-            if self._mom_key == "betas":
-                group["betas"] = (mom, group["betas"][1])
-            else:
-                group["momentum"] = mom
+        self._write_moms(self._mom_values())
 
 
 class WarmupLR(_Schedule):

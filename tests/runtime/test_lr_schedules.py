@@ -140,7 +140,8 @@ def test_one_cycle_lr_and_momentum():
     check(lrs, {-1: 0.01, 0: 0.02, 1: 0.03, 3: 0.05, 4: 0.04, 6: 0.02, 7: 0.01,
                 8: 0.01 / 1.25, 9: 0.01 / 1.5})
     check({k: v[0] for k, v in moms.items()},
-          {-1: 0.95, 0: 0.925, 1: 0.9, 3: 0.85, 4: 0.875, 7: 0.95, 8: 0.95 * 1.01, 9: 0.95 * 1.02})
+          # -1: DeepSpeed 0.19 starts at cycle_min_mom, the first step() moves onto the cycle
+          {-1: 0.85, 0: 0.925, 1: 0.9, 3: 0.85, 4: 0.875, 7: 0.95, 8: 0.95 * 1.01, 9: 0.95 * 1.02})
     assert all(v[1] == 0.999 for v in moms.values())  # beta2 untouched
 
 
@@ -301,3 +302,25 @@ def test_deepspeed_019_defaults_warmup_inherits_group_lrs_and_one_cycle_zero_sec
     assert s.step_ratio == 1.0 and s.get_lr() == [pytest.approx(0.001)]
     s.step()
     assert s.get_lr() == [pytest.approx(0.001 + 0.099 * 1 / 100)]   # iteration 0: k = 1
+
+
+def test_one_cycle_per_group_momentum_lists():
+    """DeepSpeed 0.19: cycle_min_mom / cycle_max_mom may be one value per parameter group; each group's
+    betas[0] runs from its own max down to its own min at the peak (hand-computed) and back."""
+    import torch
+    from deepspeed.runtime.lr_schedules import OneCycle
+    a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.Adam([{"params": [a]}, {"params": [b]}], lr=0.1, betas=(0.9, 0.99))
+    sched = OneCycle(opt, cycle_min_lr=[0.001, 0.002], cycle_max_lr=0.01, cycle_min_mom=[0.8, 0.85],
+                     cycle_max_mom=[0.9, 0.95], cycle_first_step_size=4)
+    # DeepSpeed 0.19 starts each group at its own cycle_min_mom
+    assert [g["betas"] for g in opt.param_groups] == [(0.8, 0.99), (0.85, 0.99)]
+    sched.step(1)   # scale = (1 + 1) / 4 = 0.5
+    assert [g["betas"][0] for g in opt.param_groups] == pytest.approx([0.85, 0.9])
+    sched.step(3)   # the peak
+    assert [g["betas"][0] for g in opt.param_groups] == pytest.approx([0.8, 0.85])
+    assert sched.get_lr() == pytest.approx([0.01, 0.01])
+    with pytest.raises(ValueError, match="cycle_max_mom"):
+        OneCycle(opt, cycle_min_lr=0.001, cycle_max_lr=0.01, cycle_max_mom=[0.9, 0.95, 0.99])
+    with pytest.raises(ValueError, match="must not exceed"):
+        OneCycle(opt, cycle_min_lr=0.001, cycle_max_lr=0.01, cycle_min_mom=[0.8, 0.96], cycle_max_mom=0.95)
