@@ -97,6 +97,7 @@ def _body(rank, world_size):
             e.destroy()
     # 2. fp16: a direct backward is refused; engine.scale(loss).backward() == engine.backward(loss)
     e = _engine(1, fp16=True)
+    out["needs_scaler"] = (e.optimizer.needs_scaler(), _engine(2).optimizer.needs_scaler())
     x, y = batches[0]
     loss, _ = e(x[2 * rank:2 * rank + 2].half(), y[2 * rank:2 * rank + 2].half())
     try:
@@ -196,6 +197,7 @@ def test_user_driven_backward_matches_engine_backward_and_pytorch():
         assert r["fp16_error"] is not None and "Loss scaling is required" in r["fp16_error"] \
             and "engine.scale(loss).backward()" in r["fp16_error"], r["fp16_error"]
         assert r["fp16_grads_after_refusal"] == []
+        assert r["needs_scaler"] == (True, False)
         for stage in (1, 2):
             _close(r[("fp16", stage, "scale")], r[("fp16", stage, "engine")], tol=0)
             assert r[("fp16_scale", stage, "scale")] == r[("fp16_scale", stage, "engine")] == 256.0
