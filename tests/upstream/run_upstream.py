@@ -192,8 +192,6 @@ KNOWN = [
      "DeepSpeed's ZeRO optimizers (stage_1_and_2 / stage3) and expects one call per backward: ours ends a "
      "user-driven backward with a callback queued on autograd's engine and counts nothing (the helper itself "
      "is provided in deepspeed.runtime.utils)"),
-    (r"'FP16_UnfusedOptimizer' object has no attribute 'fp32_groups'", "deviation",
-     "pins the fp32 copies' attribute of DeepSpeed's FP16_UnfusedOptimizer (ours keeps flat masters)"),
     (r"test_zero_hook_attribute_delegation\.py", "deviation",
      "pins the attributes DeepSpeed's ZeRO-3 hooks leave on each module (pre_bwd_fn, applied_pre_backward_ref_cnt)"),
     # features with their own open issue, or outside this package

@@ -597,6 +597,17 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         """DeepSpeed's FP16_Optimizer name for the same flat fp32 masters."""
         return self.single_partition_of_fp32_groups
 
+    @property
+    def fp32_groups(self) -> list:
+        """DeepSpeed's FP16_UnfusedOptimizer / FP16_Optimizer name: per parameter group, one fp32 master
+        per parameter, shaped like it (views into the flat masters: writing them changes the masters).
+        Only where every rank holds every master (stage 0)."""
+        if self.n_parts != 1:
+            raise AttributeError("fp32_groups (one fp32 master per parameter) exists where every rank holds every "
+                                 "master (stage 0); at ZeRO-1/2 use single_partition_of_fp32_groups")
+        return [[flat.narrow(0, s.flat_offset, s.numel).view(s.shape) for s in lay.slots]
+                for lay, flat in zip(self.layouts, self.single_partition_of_fp32_groups)]
+
     def _fragment_grad(self, g, f):
         """This rank's reduced (still scaled, summed) gradient of fragment ``f``."""
         b = f.slot.bucket

@@ -31,3 +31,23 @@ def test_stage0_scale_config_and_assigned_grads():
                 assert torch.equal(p.detach().float(), b)
     # hysteresis 2 is not read at stage 0: both overflows halve; the 3rd clean step doubles
     assert scales == [32.0, 16.0, 16.0, 16.0, 32.0] and lsc.cur_iter == 5 and engine.skipped_steps == 2
+
+
+def test_unfused_fp32_groups_are_the_masters_per_parameter():
+    """FP16_UnfusedOptimizer.fp32_groups: one fp32 tensor per parameter, shaped like it, holding the
+    master the 16-bit parameter was rounded from (and writing it writes the master)."""
+    import deepspeed
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 5))
+    cfg = {"train_batch_size": 1, "optimizer": {"type": "Lamb", "params": {"lr": 1e-2}}, "fp16": {"enabled": True}}
+    engine, opt, _, _ = deepspeed.initialize(config=cfg, model=model, model_parameters=model.parameters())
+    assert type(opt).__name__ == "FP16_UnfusedOptimizer"
+    engine.backward(engine(torch.randn(1, 4).half()).float().pow(2).sum())
+    engine.step()
+    groups = opt.fp32_groups
+    params = list(engine.module.parameters())
+    assert [f.shape for f in groups[0]] == [p.shape for p in params]
+    for f, p in zip(groups[0], params):
+        assert f.dtype == torch.float32 and torch.equal(f.half(), p.detach())
+    groups[0][0].fill_(0.5)
+    assert torch.all(opt.fp32_groups[0][0] == 0.5) and (opt.fp32_groups_flat[0] == 0.5).sum() == groups[0][0].numel()
