@@ -28,7 +28,10 @@ class Stage3StateAccess:
             return None
         c, off, k, _ = self._where(p)
         if k <= 0:
-            return None
+            # this rank owns none of the parameter (a small one at a larger world size): an empty
+            # fragment, as DeepSpeed returns its (padding-only) partition, not None, which means
+            # "no state for this parameter" (frozen, or optimizer state not created yet)
+            k = 0
         if what != "grad" and self.parts.nvme is not None:   # offload_optimizer nvme: a copy from the swap file
             return self.parts.nvme.read_fragment(c, off, k, what, key)
         if what == "fp32":
@@ -77,7 +80,8 @@ class Stage3StateAccess:
 
     # -- setters ---------------------------------------------------------------------------
     def set_local_grad(self, p, value):
-        """This rank's gradient fragment, given unscaled (the loss scale is applied back)."""
+        """This rank's gradient fragment, given unscaled (the loss scale is applied back); empty
+        where the rank owns none of the parameter."""
         if id(p) not in self.parts.slot:
             return
         c, off, k, _ = self._where(p)

@@ -14,10 +14,12 @@ from tests.helpers.dist import run_distributed
 
 def _body(rank, world_size):
     import deepspeed
-    from deepspeed.utils import safe_get_full_grad, safe_get_local_grad, safe_set_local_grad
+    from deepspeed.utils import (safe_get_full_grad, safe_get_local_fp32_param, safe_get_local_grad,
+                                 safe_get_local_optimizer_state, safe_set_local_grad)
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-    groups = [{"params": list(m[0].parameters())}, {"params": list(m[1].parameters()), "lr": 0.01}]
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(4, 1))
+    groups = [{"params": list(m[0].parameters())}, {"params": list(m[1].parameters()) + list(m[2].parameters()),
+                                                      "lr": 0.01}]
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     eng, *_ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(groups, lr=0.1), config=cfg)
@@ -26,15 +28,23 @@ def _body(rank, world_size):
     eng.backward(torch.nn.functional.mse_loss(eng(x), y))
     before = [float(t) for t in eng.optimizer._get_norm_groups()]
     full = [float(safe_get_full_grad(p).norm()) for p in eng.module.parameters()]
-    for p in eng.module[1].parameters():          # halve group 1's gradients on every rank
+    for p in [*m[1].parameters(), *m[2].parameters()]:          # halve group 1's gradients on every rank
         safe_set_local_grad(p, safe_get_local_grad(p) * 0.5)
     after = [float(t) for t in eng.optimizer._get_norm_groups()]
-    return before, full, after
+    # m[2].bias has one element: rank 1 owns none of it and gets empty fragments, never None
+    # (DeepSpeed's test_zero_tensor_fragment asserts not-None on every rank)
+    bias = m[2].bias
+    local = [safe_get_local_fp32_param(bias), safe_get_local_grad(bias)]
+    eng.step()
+    local.append(safe_get_local_optimizer_state(bias, "momentum_buffer"))
+    return before, full, after, [None if t is None else t.numel() for t in local]
 
 
 def test_norm_groups_equal_full_gradient_norms_and_see_local_edits():
-    for before, full, after in run_distributed(_body, world_size=2, timeout=90):
-        want = [math.hypot(full[0], full[1]), math.hypot(full[2], full[3])]
+    res = run_distributed(_body, world_size=2, timeout=90)
+    assert [r[3] for r in res] == [[1, 1, None], [0, 0, None]], [r[3] for r in res]   # SGD w/o momentum: no state
+    for before, full, after, _ in res:
+        want = [math.hypot(full[0], full[1]), math.hypot(*full[2:])]
         assert all(abs(b - w) <= 1e-5 * w for b, w in zip(before, want)), (before, want)
         assert abs(after[0] - before[0]) <= 1e-6 * before[0]
         assert abs(after[1] - before[1] / 2) <= 1e-5 * before[1]
