@@ -215,6 +215,14 @@ def _run(impl, config, args, python, port, trace_dir=None):
     raise RuntimeError(f"{impl}/{config} failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
 
 
+def _git_head():
+    try:
+        return subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _stats(xs):
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -269,6 +277,8 @@ def main(argv=None):
         for c in args.configs:
             order = impls if r % 2 == 0 else impls[::-1]     # ABAB... then BABA, so no side always goes first
             for impl in order:
+                if impl == "ours_so" and CONFIGS[c][0]["stage"] != 3:
+                    continue         # super_offload is a ZeRO-3 option
                 port += 1
                 res = _run(impl, c, args, pythons[impl], port,
                            trace_dir if impl in ("ours", "ours_so", "base") else None)
@@ -283,11 +293,15 @@ def main(argv=None):
         s = {}
         for impl in impls:
             runs = raw[c][impl]
+            if not runs:
+                continue
             s[impl] = {"wall_s": _stats([x["wall_s"] for x in runs]), "cpu_s": _stats([x["cpu_s"] for x in runs]),
                        "load": _stats([x["load_before"] for x in runs])}
         for mine, other in [("ours", o) for o in impls[1:]] + [("ours_so", o) for o in impls if o not in
                                                                ("ours", "ours_so") and "ours_so" in impls]:
             pairs = list(zip(raw[c][mine], raw[c][other]))
+            if not pairs:
+                continue
             s[f"{mine}/{other}"] = {
                 "wall_ratio": _stats([a["wall_s"] / b["wall_s"] for a, b in pairs]),
                 "cpu_ratio": _stats([a["cpu_s"] / b["cpu_s"] for a, b in pairs]),
@@ -305,6 +319,7 @@ def main(argv=None):
            "configs": {c: {"zero_optimization": _ds_config(argparse.Namespace(**dict(vars(args), config=c)))[
                "zero_optimization"], "what": CONFIGS[c][1]} for c in args.configs},
            "params": raw[args.configs[0]]["ours"][0]["params"], "cpu_count": os.cpu_count(),
+           "commit": _git_head(),
            "summary": summary, "raw": raw}
     text = json.dumps(out, indent=1)
     if args.out:
