@@ -70,6 +70,8 @@ def plan_overlap(parts):
         why = "the optimizer is not offloaded to the CPU"
     elif parts.nvme is not None or parts._nvme_holders:
         why = "offload_optimizer.device 'nvme' swaps the masters (its own pipeline overlaps them)"
+    elif type(parts).__name__ != "MasterPartitions":
+        why = "offload_param.device 'nvme' swaps the partitions the step writes"
     elif getattr(owner, "fp16", False):
         why = "fp16 loss scaling needs the overflow check first"
     elif not isinstance(getattr(owner, "inner", None), FusedAdam):
