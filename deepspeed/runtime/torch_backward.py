@@ -30,6 +30,7 @@ tests do with several engines and one loss) and ``engine.coalesce_grad_reduction
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -59,7 +60,7 @@ class TorchBackward:
         tensors = []
         _collect(out, tensors, 0)
         if tensors:
-            group = _OutputGroup(self, [t.grad_fn for t in tensors])
+            group = _OutputGroup(self, tensors)
             for i, t in enumerate(tensors):
                 t.register_hook(group.hook_for(i))
 
@@ -108,16 +109,19 @@ class TorchBackward:
 
 
 class _OutputGroup:
-    """The hooked outputs of one forward call. Holds their autograd nodes (never the tensors:
-    the hooks live on the tensors, so the group dies with them)."""
+    """The hooked outputs of one forward call. Holds them weakly (the hooks live on the tensors'
+    autograd nodes: a strong reference here would be a cycle through C++ that keeps the graph,
+    saved activations included, alive when no backward runs) and their nodes' keys."""
 
-    __slots__ = ("state", "nodes", "task", "divide")
+    __slots__ = ("state", "refs", "keys", "task", "divide")
 
-    def __init__(self, state: TorchBackward, nodes):
+    def __init__(self, state: TorchBackward, tensors):
         self.state = state
-        self.nodes = nodes
+        self.refs = [weakref.ref(t) for t in tensors] if len(tensors) > 1 else None
+        self.keys = [_key(t.grad_fn) if t.grad_fn is not None else None for t in tensors] \
+            if len(tensors) > 1 else None
         self.task = None
-        self.divide = None
+        self.divide = (True,)
 
     def hook_for(self, i):
         def hook(grad):
@@ -129,8 +133,8 @@ class _OutputGroup:
                 st.prologue(task)
             if st.gas == 1 and st.sp == 1.0:
                 return None
-            if self.task != task:
-                self.task, self.divide = task, _dividing_outputs(self.nodes, i)
+            if self.task != task and self.refs is not None:
+                self.task, self.divide = task, _dividing_outputs(self.refs, self.keys, i)
             if not self.divide[i]:
                 return None
             if st.gas != 1:   # as engine.backward: (loss / gas) * sp
@@ -152,23 +156,26 @@ def _collect(out, acc, depth) -> None:
                 _collect(v, acc, depth + 1)
 
 
-def _dividing_outputs(nodes, firing):
+def _dividing_outputs(refs, keys, firing):
     """Which outputs' gradients to divide in this pass: all of them, except one that another
     output taking part in this pass was computed from (its gradient arrives divided).
     ``firing``: the output whose hook runs now (it takes part; a backward's root output is not
-    among the nodes autograd reports as pending)."""
-    n = len(nodes)
+    among the nodes autograd reports as pending). An output the caller dropped can still be
+    found (by its key) from one that is alive, but not start a search."""
+    n = len(keys)
     divide = [True] * n
-    if n == 1:
-        return divide
     will_run = torch._C._will_engine_execute_node
-    live = [i for i, nd in enumerate(nodes) if nd is not None and (i == firing or will_run(nd))]
-    if len(live) < 2:
-        return divide
-    seq = {i: nodes[i]._sequence_nr() for i in live}
-    for a in live:
-        for b in live:
-            if b != a and seq[b] > seq[a] and _reaches(nodes[b], _key(nodes[a]), seq[a]):
+    live = {}
+    for i, r in enumerate(refs):
+        t = r()
+        node = t.grad_fn if t is not None else None
+        if node is not None and (i == firing or will_run(node)):
+            live[i] = node
+    for a in range(n):
+        if keys[a] is None:
+            continue
+        for b, node in live.items():
+            if b != a and keys[b][0] > keys[a][0] and _reaches(node, keys[a], keys[a][0]):
                 divide[a] = False
                 break
     return divide

@@ -3,6 +3,8 @@
 ``engine.coalesce_grad_reduction()``, against plain PyTorch trained on the same global batches.
 
 One spawned world of two ranks runs every distributed check (tests/helpers/dist.py)."""
+import weakref
+
 import pytest
 import torch
 
@@ -35,6 +37,11 @@ def _batches(n, seed=1):
     """``n`` global micro-batches of 4 samples: rank r trains on rows [2r, 2r + 2)."""
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)) for _ in range(n)]
+
+
+class _Box:
+    def __init__(self, t):
+        self.t = t
 
 
 def _engine(stage, gas=GAS, fp16=False, seed=0, extra=None):
@@ -151,6 +158,24 @@ def _body(rank, world_size):
             e.step()
             out[("coalesce", stage, coalesce)] = _weights(e)
             e.destroy()
+    # 5. outputs dropped without a backward free their graph (saved activations included): the
+    #    hooks hold nothing that keeps it alive. Reference: the same forward through engine.module.
+    e = _engine(0, gas=1)
+    x, y = batches[0]
+    for route in ("engine", "module"):
+        boxes = []
+
+        def pack(t, boxes=boxes):
+            box = _Box(t)
+            boxes.append(weakref.ref(box))
+            return box
+
+        for _ in range(3):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+                res = (e if route == "engine" else e.module)(x[:2], y[:2])
+            del res
+        out[("alive_saved", route)] = sum(r() is not None for r in boxes)
+    e.destroy()
     # refusals
     refusals = {}
     e = _engine(0, gas=1)
@@ -218,6 +243,8 @@ def test_user_driven_backward_matches_engine_backward_and_pytorch():
             assert plain > 0 and coal * 3 == plain, (stage, plain, coal)
             _close(r[("coalesce", stage, True)], r[("coalesce", stage, False)], tol=1e-6)
             _close(r[("coalesce", stage, True)], ref_sum, tol=1e-5)
+        assert r[("alive_saved", "engine")] == r[("alive_saved", "module")], \
+            (r[("alive_saved", "engine")], r[("alive_saved", "module")])
         ref_msgs = r["refusals"]
         assert "ZeRO stage 1/2/3" in ref_msgs["stage0"] and "zero_optimization.stage" in ref_msgs["stage0"]
         assert "no_sync" in ref_msgs["step"] and "engine.step()" in ref_msgs["step"]
