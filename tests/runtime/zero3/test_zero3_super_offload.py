@@ -64,7 +64,8 @@ def _body(rank, world_size, cases):
         ov = eng.optimizer.parts._ovl
         a, b = _state(ref), _state(eng)
         out[name] = {"equal": torch.equal(a, b), "maxdiff": float((a - b).abs().max()), "counts": dict(ov.counts),
-                     "norm_equal": ref.optimizer.last_grad_norm == eng.optimizer.last_grad_norm}
+                     "norm_equal": ref.optimizer.last_grad_norm == eng.optimizer.last_grad_norm,
+                     "bytes_equal": ref.optimizer.model_state_bytes() == eng.optimizer.model_state_bytes()}
         if trace_dir:
             from deepspeed.runtime.zero.stage3_offload_overlap import merge_into_trace
             f = eng._obs.last_trace_file
@@ -83,6 +84,7 @@ def _check_exact(r, name):
     """No clipping: bit-identical, every sub-group stepped during backward, nothing rolled back."""
     assert r[name]["equal"], (name, r[name])
     assert r[name]["norm_equal"], (name, r[name])
+    assert r[name]["bytes_equal"], (name, r[name])      # no model-state memory added
     assert r[name]["counts"]["speculative"] >= 3 * 2 and r[name]["counts"]["rolled_back"] == 0, r[name]
 
 
