@@ -77,8 +77,24 @@ def build_inner_optimizer(ctx, groups: List[dict]) -> Optional[torch.optim.Optim
     if not hasattr(opt, "param_groups") or not hasattr(opt, "step"):
         raise TypeError(f"{where} returned {type(opt).__name__}, which is not a torch optimizer "
                         f"(it needs param_groups and step()).")
+    check_zero_tested_optimizer(ctx, ctx.client_optimizer if ctx.client_optimizer is not None else opt)
     _check_groups(opt, groups, where)
     return opt
+
+
+def check_zero_tested_optimizer(ctx, optimizer) -> None:
+    """DeepSpeed's rule: with ZeRO (stage >= 1) an optimizer class ZeRO is not tested with
+    (``deepspeed.runtime.zero.utils.is_zero_supported_optimizer``) needs ``zero_allow_untested_optimizer:
+    true``, else ``AssertionError``. (Here the key defaults to true.)"""
+    cfg = ctx.config
+    if cfg.zero_optimization_stage == 0 or cfg.model.zero_allow_untested_optimizer:
+        return
+    from ..zero.utils import is_zero_supported_optimizer
+    if not is_zero_supported_optimizer(optimizer):
+        from ...config.errors import DeepSpeedConfigAssertionError
+        raise DeepSpeedConfigAssertionError(
+            f"You are using an untested ZeRO Optimizer ({type(optimizer).__name__}). Please add "
+            f"<\"zero_allow_untested_optimizer\": true> in the configuration file to use it.")
 
 
 def adopt_client_optimizer(client, groups: List[dict]):
