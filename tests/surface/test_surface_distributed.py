@@ -22,8 +22,11 @@ class Expertish(nn.Module):
         self.a = nn.Linear(DIM, DIM)
         self.b = nn.Linear(DIM, DIM)
         self.dynamic = dynamic
+        self.only = None   # "a"/"b": this call uses one child only (a child chosen by rank)
 
     def forward(self, x):
+        if self.only is not None:
+            return x + torch.tanh(getattr(self, self.only)(x))
         first, second = (self.a, self.b) if not self.dynamic or x.sum() > 0 else (self.b, self.a)
         return x + second(torch.tanh(first(x)))
 
@@ -47,11 +50,14 @@ def _data(n_steps, world):
     return [(torch.randn(2 * world, DIM, generator=g), torch.randn(2 * world, 1, generator=g)) for _ in range(n_steps)]
 
 
-def _train(rank, world, leaf: bool, dynamic: bool = False):
+def _train(rank, world, leaf: bool, dynamic: bool = False, by_rank: bool = False):
     import deepspeed
     from deepspeed.utils import set_z3_leaf_modules
     torch.manual_seed(0)
     model = Net(dynamic)
+    if by_rank:   # rank 0 runs only child a of each block, rank 1 only child b (DeepSpeed's ChooseModuleByRank)
+        for b in model.blocks:
+            b.only = "ab"[rank]
     if leaf:
         set_z3_leaf_modules(model, [Expertish])
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.0)
@@ -88,14 +94,25 @@ def _body(rank, world, ckpt_dir):
     with deepspeed.zero.GatheredParameters(list(eng_leaf.module.parameters())):
         leafp = [p.detach().clone() for p in eng_leaf.module.parameters()]
     out["leaf_same_params"] = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, leafp))
+    # a leaf whose children run differently on each rank: its gradients are reduced together at
+    # the end of backward (zeros for the child a rank did not run), never in rank-dependent order
+    eng_rank, _ = _train(rank, world, leaf=True, by_rank=True)
+    with deepspeed.zero.GatheredParameters(list(eng_rank.module.parameters())):
+        by_rank = [p.detach().clone() for p in eng_rank.module.parameters()]
+    eng_rank.destroy()
+
+    def per_rank_loss(ref, x, y, r):
+        for b in ref.blocks:
+            b.only = "ab"[r] if name == "leaf_by_rank_vs_plain_torch" else None
+        return ref(x[2 * r:2 * r + 2], y[2 * r:2 * r + 2])
     # reference: the same training in plain PyTorch on the full batches
-    for name, dynamic, got in (("leaf_vs_plain_torch", False, leafp),):
+    for name, dynamic, got in (("leaf_vs_plain_torch", False, leafp), ("leaf_by_rank_vs_plain_torch", False, by_rank)):
         torch.manual_seed(0)
         ref = Net(dynamic)
         ropt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.0)
         for x, y in _data(3, world):  # whole batch; per-sample order picks differ, so split the loss per rank
             ropt.zero_grad()
-            sum(ref(x[2 * r:2 * r + 2], y[2 * r:2 * r + 2]) for r in range(world)).div(world).backward()
+            sum(per_rank_loss(ref, x, y, r) for r in range(world)).div(world).backward()
             ropt.step()
         out[name] = max((a - b.detach()).abs().max().item() for a, b in zip(got, ref.parameters()))
     # inside the leaf's forward its children's weights are whole; outside they are placeholders
@@ -187,6 +204,7 @@ def test_surface_on_two_ranks(tmp_path):
     assert g_plain == [6, 6, 6] and g_leaf == [4, 4, 4], (g_plain, g_leaf)
     assert r0["leaf_same_params"] and r1["leaf_same_params"]
     assert r0["leaf_vs_plain_torch"] < 1e-5
+    assert r0["leaf_by_rank_vs_plain_torch"] < 1e-5 and r1["leaf_by_rank_vs_plain_torch"] < 1e-5
     assert r0["child_shape_in_forward"] == (DIM, DIM) and r0["child_shape_outside"] == (0,)
     assert r0["placeholder_shape"] == [0]
     for r in (r0, r1):

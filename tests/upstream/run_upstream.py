@@ -231,9 +231,6 @@ KNOWN += [
      "pins a non-zero norm); ours zeroes them: a step after zero_grad() sees zero gradients"),
     (r"test_zero_leaf_module\.py::.*test_no_grad_input_error", "deviation",
      "DeepSpeed refuses a leaf module whose inputs do not require grad (a limit of its hooks); ours runs it"),
-    (r"test_zero_leaf_module\.py::.*test_choose_module_by_rank", "remaining",
-     "a leaf whose children run in a different order on each rank: stage 3 reduces gradients in arrival "
-     "order, so the ranks' reduce-scatters differ (ZeRO-3 core, the lead's rewrite)"),
     (r"get_allgather_dtype|test_zero_autocast_mixed_dtype", "deviation",
      "torch_autocast with 16-bit ZeRO-3 parameters (per-parameter comm dtypes, get_allgather_dtype): "
      "torch_autocast keeps fp32 parameters here and is not combined with bf16/fp16"),

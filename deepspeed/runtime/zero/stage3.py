@@ -160,6 +160,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._find_leaf_params()
         self.gather_16bit_on_save = bool(z.gather_16bit_weights_on_model_save)
         self.last_grad_norm = None
         self._persistent_stale = False
@@ -286,26 +287,56 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
             self.refresh_persistent()
         self.coordinator.new_step()
 
+    def _find_leaf_params(self) -> None:
+        """The trainable parameters of each outermost ZeRO-3 leaf module
+        (``deepspeed.utils.set_z3_leaf_modules``), in module order. A leaf's forward may use a
+        different subset of its parameters on each rank (MoE experts, a child chosen by rank): their
+        gradients are handed over together at the end of backward, zeros for the ones this rank's
+        backward did not reach, so every rank reduces the same parameters in the same order (as
+        DeepSpeed does when the leaf's backward ends). They are held until then."""
+        order, seen = [], set()
+        for m in self.module.modules():
+            if m.__dict__.get("_z3_leaf") and not m.__dict__.get("_z3_inside_leaf"):
+                for p in m.parameters():
+                    if p.requires_grad and id(p) not in seen and self.parts.owns(p):
+                        seen.add(id(p))
+                        order.append(p)
+        self._leaf_order, self._leaf_ids = order, seen
+
     def _on_grad(self, p) -> None:
         # Release the gathered parameter first and let the reducer take the gradient out of
         # p.grad (freeing it before a full bucket is launched): at no point do the full
         # parameter, its full gradient and a bucket's reduce-scatter buffers coexist.
         self.coordinator.release_after_backward(p)
-        if p.grad is not None and self.parts.owns(p):
+        if self._leaf_ids and id(p) in self._leaf_ids:
+            return    # a leaf module's gradient: _hand_over_leaf_grads at the end of backward
+        grad, p.grad = p.grad, None   # the reducer holds the only reference
+        self._hand_over(p, grad)
+
+    def _hand_over(self, p, grad) -> None:
+        if grad is not None and self.parts.owns(p):
             held = self._unsynced.pop(p, None)
             if held is not None:
-                p.grad.add_(held)
+                grad = grad.add_(held)
             if not self._sync_enabled:
                 # engine.no_sync() (DeepSpeed refuses it at stage 3): hold the full local gradient
                 # until the next synced backward, which adds it in before the reduce-scatter.
-                self._unsynced[p] = p.grad
+                self._unsynced[p] = grad
             else:
-                self.reducer.take(p)
-        p.grad = None
+                self.reducer.add(p, grad)
+
+    def _hand_over_leaf_grads(self) -> None:
+        for p in self._leaf_order:
+            grad, p.grad = p.grad, None
+            if grad is None:
+                grad = torch.zeros(p.ds_shape, dtype=p.dtype, device=p.device)
+            self._hand_over(p, grad)
 
     # backward = begin_backward (nothing to prepare: gradients are reduced as they arrive);
     # loss.backward(); end_backward (TrainingStrategy.backward)
     def end_backward(self, token) -> None:
+        if self._leaf_order:
+            self._hand_over_leaf_grads()
         if self._sync_enabled:
             for p, held in list(self._unsynced.items()):  # held gradients this backward did not reach
                 del self._unsynced[p]
