@@ -28,7 +28,8 @@
    4 per rank), in the same run; median step time and the ratio.
 
 Prints one JSON object. Usage: ``python benchmarks/pipeline.py [--quick] [--only bubble|step]
-[--stages 2 4] [--no-interleaved]``.
+[--stages 2 4] [--no-interleaved] [--slack-diagnostic]`` (the last: each 1F1B batch also run with a
+diagnostic schedule that keeps two micro-batches more in flight per neighbour than its successor).
 """
 from __future__ import annotations
 
@@ -108,7 +109,41 @@ def _forever(x, y):
         yield x, y
 
 
-def _bubble_worker(rank, world, ms, repeats, tf, tb, chunks=1):
+def _slack_schedule_cls():
+    from deepspeed.runtime.pipe import schedule as S
+
+    class Slack2Schedule(S.PipeSchedule):
+        """Diagnostic, not an engine schedule: 1F1B whose stage s keeps ``2(p - s) - 1``
+        micro-batches in flight (1F1B: ``p - s``), i.e. two more than its successor, so the
+        neighbour cycle that 1F1B runs without slack gets one forward+backward of slack and the
+        hop between stages leaves the critical path. Costs about twice 1F1B's activations."""
+
+        def num_pipe_buffers(self):
+            return min(2 * (self.stages - self.stage_id) - 1, self.micro_batches)
+
+        def steps(self):
+            m, first, last = self.micro_batches, self.is_first_stage, self.is_last_stage
+            n = self.num_pipe_buffers()
+            order = [("F", i) for i in range(n)]
+            for i in range(m):
+                order.append(("B", i))
+                if n + i < m:
+                    order.append(("F", n + i))
+            for kind, i in order:
+                buf = i % n
+                if kind == "F":
+                    yield ([] if first else [S.RecvActivation(buf)]) + \
+                        ([S.LoadMicroBatch(buf)] if first or last else []) + \
+                        [S.ForwardPass(buf)] + ([] if last else [S.SendActivation(buf)])
+                else:
+                    yield ([] if last else [S.RecvGrad(buf)]) + [S.BackwardPass(buf)] + \
+                        ([] if first else [S.SendGrad(buf)])
+            yield [S.ReduceTiedGrads(), S.ReduceGrads(), S.OptimizerStep()]
+
+    return Slack2Schedule
+
+
+def _bubble_worker(rank, world, ms, repeats, tf, tb, chunks=1, slack=False):
     from deepspeed.pipe import LayerSpec
     sys.path.insert(0, ROOT)
     from tests.runtime.pipe.test_pipe_features import GPipeSchedule
@@ -188,11 +223,26 @@ def _bubble_worker(rank, world, ms, repeats, tf, tb, chunks=1):
         ahead = (getattr(eng.p2p, "posted_ahead", 0) - ahead0) / repeats
         eng._INSTRUCTIONS = type(eng)._INSTRUCTIONS
         last_events = list(events)
+        slack_bubbles, slack_peak = [], None
+        if chunks == 1 and slack:   # diagnostic: the same batches with two in flight per neighbour
+            eng.train_schedule_cls = _slack_schedule_cls()
+            eng.train_batch(it)
+            ACT["peak"] = ACT["live"]
+            for _ in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                eng.train_batch(it)
+                dist.barrier()
+                slack_bubbles.append(1 - m * c_alone / (time.perf_counter() - t0))
+            slack_peak = ACT["peak"]
         if chunks == 1:
             eng.train_schedule_cls = GPipeSchedule
             ACT["peak"] = ACT["live"]
             eng.train_batch(it)
-        out[m] = {"bubble": statistics.median(bubbles), "bubble_spread": max(bubbles) - min(bubbles),
+        out[m] = {"slack_bubble": statistics.median(slack_bubbles) if slack_bubbles else None,
+                  "slack_bubble_spread": max(slack_bubbles) - min(slack_bubbles) if slack_bubbles else None,
+                  "peak_live_slack": slack_peak,
+                  "bubble": statistics.median(bubbles), "bubble_spread": max(bubbles) - min(bubbles),
                   "bubble_in_pipe": statistics.median(bubbles_pipe),
                   "bubble_in_pipe_spread": max(bubbles_pipe) - min(bubbles_pipe),
                   "compute_alone_ms": c_alone * 1000, "compute_in_pipe_ms": eng.compute_time / (m * chunks) * 1000,
@@ -262,6 +312,9 @@ def main():
     ap.add_argument("--only", choices=["bubble", "step"], default=None)
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--no-interleaved", action="store_true")
+    ap.add_argument("--slack-diagnostic", action="store_true",
+                    help="also run each 1F1B batch with two micro-batches more in flight per neighbour "
+                         "(a diagnostic schedule in this file): is the excess the hop between stages?")
     args = ap.parse_args()
     from tests.helpers.dist import run_distributed
     tf, tb = (0.02, 0.04) if args.quick else (0.04, 0.08)
@@ -273,7 +326,8 @@ def main():
     for p in (args.stages if args.only != "step" else ()):
         ms = ms_of[p]
         load_before = round(os.getloadavg()[0], 2)
-        res = run_distributed(_bubble_worker, world_size=p, args=(ms, repeats, tf, tb), timeout=600)
+        res = run_distributed(_bubble_worker, world_size=p, args=(ms, repeats, tf, tb, 1, args.slack_diagnostic),
+                              timeout=900)
         per_m = {}
         for m in ms:
             theory = (p - 1) / (m + p - 1)
@@ -289,6 +343,10 @@ def main():
                 "compute_in_pipe_ms_per_stage": [round(s["compute_in_pipe_ms"], 2) for s in stages],
                 "host_ms_per_microbatch_per_stage": [round(s["host_ms_per_microbatch"], 3) for s in stages],
                 "hop_latency_ms_median": round(statistics.median(hops), 3) if hops else None,
+                **({"diagnostic_slack2_bubble_per_stage": [round(s["slack_bubble"], 4) for s in stages],
+                    "diagnostic_slack2_max_rel_error": round(max(abs(s["slack_bubble"] - theory) for s in stages) / theory, 4),
+                    "diagnostic_slack2_peak_live_activations": [s["peak_live_slack"] for s in stages]}
+                   if stages[0]["slack_bubble"] is not None else {}),
                 "hops_timed": len(hops),
                 "bubble_excl_step_per_stage": [round(s["bubble_excl_step"], 4) for s in stages],
                 "recv_wait_per_stage": [round(s["recv_wait"], 4) for s in stages],
