@@ -98,11 +98,19 @@ class EngineConfigQueries:
     @property
     def sparse_tensor_module_names(self) -> set:
         """DeepSpeed's bookkeeping: ``"<name>.weight"`` of each Embedding/EmbeddingBag whose
-        gradient is reduced as a sparse tensor (empty unless ``sparse_gradients`` is on)."""
+        gradient is reduced as a sparse tensor (empty unless ``sparse_gradients`` is on). A
+        checkpoint's set replaces it on load, as in DeepSpeed."""
+        saved = self.__dict__.get("_sparse_names")
+        if saved is not None:
+            return saved
         if not self.sparse_gradients_enabled():
             return set()
         return {f"{n}.weight" if n else "weight" for n, m in self.module.named_modules()
                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
+
+    @sparse_tensor_module_names.setter
+    def sparse_tensor_module_names(self, names) -> None:
+        self.__dict__["_sparse_names"] = set(names)
 
     def _get_optimizer_ckpt_name(self, checkpoints_path, tag, expp_rank) -> str:
         """DeepSpeed's name for an expert-parallel rank's optimizer file (tools build paths

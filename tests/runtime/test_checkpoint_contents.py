@@ -170,3 +170,21 @@ def test_a_client_key_named_like_deepspeeds_wins_with_a_warning(tmp_path, caplog
     ms = torch.load(tmp_path / "t" / "mp_rank_00_model_states.pt", weights_only=True)
     assert ms["lr_scheduler"] == {"mine": 1} and ms["x"] == 2   # DeepSpeed: state.update(client_state)
     eng.destroy()
+
+
+def test_load_adopts_the_checkpoints_sparse_tensor_module_names(tmp_path):
+    """DeepSpeed replaces the engine's sparse_tensor_module_names with the saved set on a full
+    load (its test_sparse.py::test_non_strict_load_sparse); a module-only load keeps the engine's."""
+    def engine(sparse):
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 3), torch.nn.Linear(3, 1))
+        cfg = {"train_batch_size": 1, "steps_per_print": 0, "sparse_gradients": sparse}
+        return deepspeed.initialize(model=model, config=cfg)[0]
+    src = engine(True)
+    assert src.sparse_tensor_module_names == {"0.weight"}
+    src.save_checkpoint(str(tmp_path), tag="t")
+    dst = engine(False)
+    assert dst.sparse_tensor_module_names == set()
+    dst.load_checkpoint(str(tmp_path), tag="t", load_module_only=True)
+    assert dst.sparse_tensor_module_names == set()
+    dst.load_checkpoint(str(tmp_path), tag="t", load_optimizer_states=False, load_lr_scheduler_states=False)
+    assert dst.sparse_tensor_module_names == {"0.weight"}

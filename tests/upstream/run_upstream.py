@@ -316,8 +316,6 @@ KNOWN += [
     (r"TestZeroAllowUntestedOptimizer::test\[(True|False)-3\]", "remaining",
      "zero_allow_untested_optimizer: false is enforced at ZeRO-1/2 (precision/inner_optimizer.py "
      "check_zero_tested_optimizer); ZeRO-3 builds its optimizer in stage3.py (the lead's) and does not call it yet"),
-    (r"test_non_strict_load_sparse", "remaining", "load_checkpoint does not take sparse_tensor_module_names from "
-     "the checkpoint (DeepSpeed replaces the engine's set with the saved one); checkpoint code has another owner"),
 ]
 
 

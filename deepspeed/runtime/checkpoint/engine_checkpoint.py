@@ -293,6 +293,8 @@ def _load_engine_checkpoint(engine, reader, load_module_strict, load_optimizer_s
     saved = state.get("micro_steps", at_boundary)
     engine.micro_steps = saved if 0 <= saved - at_boundary < gas else at_boundary
     engine.skipped_steps = state.get("skipped_steps", 0)
+    if state.get("sparse_tensor_module_names") is not None:   # DeepSpeed adopts the saved set
+        engine.sparse_tensor_module_names = state["sparse_tensor_module_names"]
     load_feature_checkpoint_state(engine, state)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if reader.exists(rng_states_name(rank)):
