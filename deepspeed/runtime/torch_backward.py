@@ -57,6 +57,8 @@ class TorchBackward:
 
     # ---------------------------------------------------------------- forward side
     def watch(self, out) -> None:
+        if _functorch_transforming():   # torch.func.grad / vmap over the engine: not a training backward
+            return
         tensors = []
         _collect(out, tensors, 0)
         if tensors:
@@ -126,7 +128,7 @@ class _OutputGroup:
     def hook_for(self, i):
         def hook(grad):
             st = self.state
-            if st.engine_running:
+            if st.engine_running or _functorch_transforming():
                 return None
             task = torch._C._current_graph_task_id()
             if st.task != task or not st.is_open:
@@ -141,6 +143,12 @@ class _OutputGroup:
                 grad = grad / st.gas
             return grad * st.sp if st.sp != 1.0 else grad
         return hook
+
+
+def _functorch_transforming() -> bool:
+    """Inside torch.func.grad / vmap / jacrev (DeepSpeed skips its backward hooks there too)."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
 
 def _collect(out, acc, depth) -> None:
