@@ -89,7 +89,10 @@ class OverlapStepper:
         self.parts = parts
         self.opt = optimizer
         self.gas = max(1, int(gas))
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds-offload-step")
+        # the worker uses as many intra-op threads as the training thread (a fresh thread would
+        # otherwise start from OpenMP's default: every core, on top of the training thread's)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds-offload-step",
+                                       initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
         self.arrived = [0] * len(parts.chunks)
         self.pending = {}            # chunk index -> Future
         self.stepped = set()         # chunk indices updated speculatively, not yet confirmed by step()
