@@ -225,6 +225,10 @@ KNOWN += [
      "another owner)"),
     (r"has no attribute '_get_norm_groups'", "remaining", "ZeRO-3 optimizer's per-group gradient norms "
      "(_get_norm_groups): stage3.py is being rewritten by the lead; the method is specified in the report"),
+    (r"Post-clip norm should be < pre-clip norm for param",
+     "out_of_scope", "flaky upstream: SimpleModel is built from an unseeded RNG (a different model in every process), "
+     "and 'post-clip norm < pre-clip norm' holds only when some gradient element exceeds clip_value; a parameter whose "
+     "norm exceeds it with every element inside fails on the real DeepSpeed alike"),
     (r"TestZero3ParamPartitioningBase::test_zero_grad\[True\]", "deviation",
      "DeepSpeed's ZeRO-3 optimizer.zero_grad() leaves the reduced gradient partitions in place (the next "
      "backward overwrites them), so a step right after zero_grad() still applies the last gradients (the test "
