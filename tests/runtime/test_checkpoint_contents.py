@@ -188,3 +188,17 @@ def test_load_adopts_the_checkpoints_sparse_tensor_module_names(tmp_path):
     assert dst.sparse_tensor_module_names == set()
     dst.load_checkpoint(str(tmp_path), tag="t", load_optimizer_states=False, load_lr_scheduler_states=False)
     assert dst.sparse_tensor_module_names == {"0.weight"}
+    # non-strict: a name is kept unless the checkpoint holds that parameter dense, and the
+    # checkpoint's sparse names are added where this model has the parameter
+    def make(sparse, *extra):
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 3), torch.nn.Linear(3, 1), *extra)
+        return deepspeed.initialize(model=model, config={"train_batch_size": 1, "steps_per_print": 0,
+                                                         "sparse_gradients": sparse})[0]
+    adds = make(False)
+    adds.load_checkpoint(str(tmp_path), tag="t", load_module_strict=False, load_optimizer_states=False)
+    assert adds.sparse_tensor_module_names == {"0.weight"}
+    make(False).save_checkpoint(str(tmp_path), tag="dense")
+    sparse_dst = make(True, torch.nn.Embedding(4, 3))
+    assert sparse_dst.sparse_tensor_module_names == {"0.weight", "2.weight"}
+    sparse_dst.load_checkpoint(str(tmp_path), tag="dense", load_module_strict=False, load_optimizer_states=False)
+    assert sparse_dst.sparse_tensor_module_names == {"2.weight"}   # 0.weight was dense in the checkpoint

@@ -262,6 +262,17 @@ def load_engine_checkpoint(engine, load_dir: str, tag=None, load_module_strict=T
                                        load_lr_scheduler_states, load_module_only, custom_load_fn)
 
 
+def _merged_sparse_names(engine, saved: set, saved_params: set, strict: bool) -> set:
+    """DeepSpeed's rule for ``sparse_tensor_module_names`` after a load: a strict load takes the
+    checkpoint's set; a non-strict one keeps this engine's names except parameters the
+    checkpoint holds as dense, and adds the checkpoint's sparse names this model has."""
+    if strict:
+        return saved
+    mine = set(engine.sparse_tensor_module_names)
+    own_params = {n for n, _ in engine.module.named_parameters()}
+    return {n for n in mine if n in saved or n not in saved_params} | (saved & own_params)
+
+
 def _load_engine_checkpoint(engine, reader, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                             load_module_only, custom_load_fn):
     state = reader.load(find_model_states(reader, engine.mp_rank), share=True)
@@ -293,8 +304,10 @@ def _load_engine_checkpoint(engine, reader, load_module_strict, load_optimizer_s
     saved = state.get("micro_steps", at_boundary)
     engine.micro_steps = saved if 0 <= saved - at_boundary < gas else at_boundary
     engine.skipped_steps = state.get("skipped_steps", 0)
-    if state.get("sparse_tensor_module_names") is not None:   # DeepSpeed adopts the saved set
-        engine.sparse_tensor_module_names = state["sparse_tensor_module_names"]
+    saved_sparse = state.get("sparse_tensor_module_names", state.get("csr_tensor_module_names"))
+    if saved_sparse is not None:
+        engine.sparse_tensor_module_names = _merged_sparse_names(
+            engine, set(saved_sparse), set(module_sd), load_module_strict)
     load_feature_checkpoint_state(engine, state)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if reader.exists(rng_states_name(rank)):
