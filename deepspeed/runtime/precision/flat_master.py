@@ -377,8 +377,9 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
 
     def _adopt_assigned_grads(self):
         """A ``p.grad`` the caller assigned since backward (not the view into the flat buffer)
-        is the gradient the step uses, as DeepSpeed's stage-0/1 optimizers read ``p.grad``."""
-        if self.partition_grads:
+        is the gradient the step uses, as DeepSpeed's stage-0 FP16/BF16 optimizers read ``p.grad``
+        (its ZeRO-1/2 step reads the partitions reduced during backward, and so does this one)."""
+        if self.stage != 0 or self.partition_grads:
             return
         for s in self.slots:
             g = s.param.grad
