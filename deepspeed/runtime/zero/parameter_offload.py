@@ -146,11 +146,6 @@ class ParameterCoordinator:
         self.positions = {}       # id(p) -> trace positions using p
         self.prefix = [0]         # prefix[i]: elements gathered by trace events before i
         self._fwd_pos = {}
-        # id(p) -> the furthest trace position at which a prefetch scan met p already gathered
-        # (and so did not fetch it there): p is kept until that use, or it would be gathered
-        # again unprefetched (DeepSpeed's "reuse skipped by prefetch" rule); scans stop at one
-        # prefetch bucket of new gathers, and stage3_max_live_parameters still bounds what is kept
-        self.skipped_reuse = {}
         self.prefetch_handles = []
         self.gathers = 0          # synchronous gathers issued (tests/benchmarks read these)
         self.prefetches = 0
@@ -216,7 +211,6 @@ class ParameterCoordinator:
         self.cursor = 0
         self.predicting = bool(self.trace)
         self._fwd_pos.clear()
-        self.skipped_reuse.clear()
         if any(e[1] is self for e in FWD_MODULE_STACK):   # left by a forward that raised
             FWD_MODULE_STACK[:] = [e for e in FWD_MODULE_STACK if e[1] is not self]
         self.pinned.clear()
@@ -318,15 +312,14 @@ class ParameterCoordinator:
 
     def _prefetch_gather(self, budget) -> None:
         todo, seen, n = [], set(), 0
-        skipped = self.skipped_reuse
+        # every fetch rescans the trace from the cursor, so a parameter released after a scan
+        # passed over one of its later uses is prefetched again by a later scan: nothing is
+        # kept beyond stage3_max_reuse_distance for that (DeepSpeed keeps it: its prefetch
+        # queue is consumed once per step)
         for j in range(self.cursor, min(len(self.trace), self.cursor + _WINDOW)):
             fits = True
             for p in self.trace[j][2]:
-                if id(p) in seen:
-                    continue
-                if p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-                    if skipped.get(id(p), -1) < j:
-                        skipped[id(p)] = j
+                if p.ds_status != ZeroParamStatus.NOT_AVAILABLE or id(p) in seen:
                     continue
                 if n + p.ds_numel > budget:
                     fits = False
@@ -348,8 +341,6 @@ class ParameterCoordinator:
     def _keep_for_reuse(self, p, pos) -> bool:
         if pos is None or not self.predicting:
             return False
-        if self.skipped_reuse.get(id(p), -1) > pos and self.live_numel() <= self.max_live:
-            return True   # a prefetch scan passed over its next use: it would not be fetched again
         where = self.positions.get(id(p))
         if not where:
             return False
