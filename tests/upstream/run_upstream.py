@@ -322,9 +322,6 @@ KNOWN += [
     (r"has no attribute 'unscale_and_clip_grads'", "deviation",
      "monkeypatches FP16_Optimizer.unscale_and_clip_grads (an internal hook, different signatures fused / unfused) "
      "to see one grad norm on every rank; the MoE step here decides the global norm once (moe/training.py)"),
-    (r"TestZeroAllowUntestedOptimizer::test\[(True|False)-3\]", "remaining",
-     "zero_allow_untested_optimizer: false is enforced at ZeRO-1/2 (precision/inner_optimizer.py "
-     "check_zero_tested_optimizer); ZeRO-3 builds its optimizer in stage3.py (the lead's) and does not call it yet"),
 ]
 
 

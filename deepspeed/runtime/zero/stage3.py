@@ -135,6 +135,9 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
             sub_group_size=z.sub_group_size, pin_memory=bool(off_opt and z.offload_optimizer.pin_memory),
             nvme=nvme_opt)
         self.inner = self._build_optimizer()
+        if self.inner is not None:   # zero_allow_untested_optimizer: false refuses an untested class
+            from ..precision.inner_optimizer import check_zero_tested_optimizer
+            check_zero_tested_optimizer(ctx, ctx.client_optimizer if ctx.client_optimizer is not None else self.inner)
         if nvme_opt:
             self.parts.swap_to_nvme(self.inner, z.offload_optimizer, cfg.model.aio)
         self.optimizer = self if self.inner is not None else None

@@ -1,5 +1,5 @@
 """zero_allow_untested_optimizer: false refuses, with DeepSpeed's AssertionError, a ZeRO-1/2 client
-optimizer whose class ZeRO is not tested with; a tested class (torch SGD) passes."""
+optimizer whose class ZeRO is not tested with (stages 1-3); a tested class (torch SGD) passes."""
 import pytest
 import torch
 
@@ -15,9 +15,10 @@ class _PlainSGD(torch.optim.Optimizer):
                     p.data.add_(p.grad, alpha=-g["lr"])
 
 
-def test_untested_optimizer_refused_only_when_not_allowed():
+@pytest.mark.parametrize("stage", [1, 3])
+def test_untested_optimizer_refused_only_when_not_allowed(stage):
     import deepspeed
-    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": False}
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": False}
     model = torch.nn.Linear(3, 2)
     with pytest.raises(AssertionError, match="zero_allow_untested_optimizer"):
         deepspeed.initialize(config=cfg, model=model, optimizer=_PlainSGD(model.parameters()))
