@@ -229,6 +229,10 @@ KNOWN += [
      "out_of_scope", "flaky upstream: SimpleModel is built from an unseeded RNG (a different model in every process), "
      "and 'post-clip norm < pre-clip norm' holds only when some gradient element exceeds clip_value; a parameter whose "
      "norm exceeds it with every element inside fails on the real DeepSpeed alike"),
+    (r"test_zero_optim_overflow\.py::.*test_ignore_grad_overflow", "deviation",
+     "pins that bf16 with check_grad_overflow false applies a NaN/Inf gradient (every weight becomes NaN, no step "
+     "skipped); here a non-finite global gradient norm skips the step with a warning naming it and counts it "
+     "(issue 30 item 7: never silently poison the weights)"),
     (r"TestZero3ParamPartitioningBase::test_prefetching\[True\]", "deviation",
      "pins a layer's parameters AVAILABLE after its forward at stage3_max_reuse_distance 0 when prefetching: "
      "DeepSpeed keeps a parameter whose later use its prefetch queue has passed (the queue is consumed once per "
