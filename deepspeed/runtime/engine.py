@@ -268,8 +268,12 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
         if obs is not None:
             obs.backward_begin(loss)
         self._last_loss = loss.detach()
-        if self._features:
-            self._features.before_backward(self, loss)
+        if self._features:   # eigenvalue differentiates the loss itself: the output hooks stand aside
+            self._torch_backward.engine_running = True
+            try:
+                self._features.before_backward(self, loss)
+            finally:
+                self._torch_backward.engine_running = False
         gas = self.gradient_accumulation_steps()
         returned = loss / gas if scale_wrt_gas and gas > 1 else loss   # DeepSpeed 0.19: in the loss's dtype
         if scale_wrt_gas and gas > 1:
