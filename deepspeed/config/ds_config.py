@@ -72,6 +72,18 @@ class DeepSpeedConfigModel(DSConfigModel):
     # bf16.check_grad_overflow, does with a NaN/Inf global gradient norm - skip it (warn, count
     # it in skipped_steps) or raise (deepspeed.runtime.nonfinite).
     nonfinite_gradients: Literal["skip", "raise"] = "skip"
+    # DeepSpeed 0.19: the DeepSpeed logger's level, set when the engine is built (None: unchanged)
+    log_level: Optional[str] = None
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level_name(cls, v):
+        if v is None:
+            return v
+        from ..utils.logging import log_levels
+        if not isinstance(v, str) or v.lower() not in log_levels:
+            raise ValueError(f"log_level must be one of {', '.join(n.upper() for n in log_levels)}, got {v!r}")
+        return v
 
     @field_validator("gradient_allreduce_op", mode="before")
     @classmethod
@@ -361,6 +373,10 @@ class DeepSpeedConfig:
     @property
     def gradient_clipping(self) -> float:
         return self.model.gradient_clipping
+
+    @property
+    def log_level(self):
+        return self.model.log_level
 
     @property
     def steps_per_print(self):

@@ -37,4 +37,14 @@ ADAM_W_MODE_DEFAULT = True
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigModel", "DeepSpeedConfigError", "FeatureNotAvailableError",
            "DEEPSPEED_OPTIMIZERS", "ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER", "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER",
            "LION_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER", "ZERO_ONE_ADAM_OPTIMIZER", "ONEBIT_LAMB_OPTIMIZER",
-           "TORCH_ADAM_PARAM", "ADAM_W_MODE", "ADAM_W_MODE_DEFAULT"]
+           "TORCH_ADAM_PARAM", "ADAM_W_MODE", "ADAM_W_MODE_DEFAULT", "get_gradient_clipping", "get_log_level"]
+
+
+def get_gradient_clipping(param_dict: dict) -> float:
+    """``gradient_clipping`` of a config dict, or DeepSpeed 0.19's default (1.0)."""
+    return param_dict.get(GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT)  # noqa: F405
+
+
+def get_log_level(param_dict: dict):
+    """``log_level`` of a config dict (None: the logger's level is left as it is)."""
+    return param_dict.get(LOG_LEVEL, LOG_LEVEL_DEFAULT)  # noqa: F405

@@ -88,6 +88,9 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
         if self.config_obj.world_size != self.dp_world_size:  # built before dist init: re-resolve
             self.config_obj = DeepSpeedConfig(self.config_obj.raw, world_size=self.dp_world_size)
         cfg = self.config_obj
+        if cfg.log_level is not None:   # DeepSpeed 0.19's log_level key
+            from ..utils.logging import set_log_level_from_string
+            set_log_level_from_string(cfg.log_level)
         from .._version import __version__
         self.ds_version = __version__
 

@@ -80,8 +80,17 @@ class EngineConfigQueries:
         return model, _DTYPES[accum] if accum else model
 
     # -- gradients ---------------------------------------------------------------------------
+    @property
+    def _config(self):
+        """DeepSpeed's name for the engine's config object (tools and tests read it)."""
+        return self.config_obj
+
     def gradient_clipping(self) -> float:
-        return self.config_obj.gradient_clipping
+        return self._config.gradient_clipping
+
+    def log_level(self):
+        """The ``log_level`` the config set (None: not set)."""
+        return self._config.log_level
 
     def prescale_gradients(self) -> bool:
         return self.config_obj.model.prescale_gradients
