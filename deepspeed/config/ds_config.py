@@ -379,6 +379,14 @@ class DeepSpeedConfig:
         return self.model.log_level
 
     @property
+    def param_dtype(self):
+        return self.model.data_types.param_dtype
+
+    @property
+    def buffer_dtype(self):
+        return self.model.data_types.buffer_dtype
+
+    @property
     def steps_per_print(self):
         return self.model.steps_per_print
 

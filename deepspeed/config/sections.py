@@ -86,6 +86,10 @@ class AmpSection(DSConfigModel):
 
 class DataTypesSection(DSConfigModel):
     grad_accum_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = None
+    # DeepSpeed 0.19.5: parameters train in the fp16/bf16 dtype (param_dtype, if given, must match);
+    # floating buffers keep their dtype unless buffer_dtype names one (runtime/precision/module_cast.py)
+    param_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = None
+    buffer_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = None
 
 
 # ---------------------------------------------------------------- ZeRO

@@ -88,6 +88,7 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
         if self.config_obj.world_size != self.dp_world_size:  # built before dist init: re-resolve
             self.config_obj = DeepSpeedConfig(self.config_obj.raw, world_size=self.dp_world_size)
         cfg = self.config_obj
+        self._assert_valid_mixed_precision_config()   # data_types.param_dtype agrees with fp16/bf16
         if cfg.log_level is not None:   # DeepSpeed 0.19's log_level key
             from ..utils.logging import set_log_level_from_string
             set_log_level_from_string(cfg.log_level)
@@ -148,6 +149,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
                               param_groups=_normalize_param_groups(model, model_parameters),
                               optimizer_factory=factory, client_optimizer=client_optimizer)
         self.strategy = build_strategy(model, ctx)
+        if cfg.buffer_dtype is not None:   # data_types.buffer_dtype at any precision (module_cast.py)
+            self._cast_module_mixed_precision(None, self._mixed_precision_dtypes()[1], True)
         self.optimizer = getattr(self.strategy, "engine_optimizer", self.strategy.optimizer)
         if self.optimizer is not None and not hasattr(self.optimizer, "overflow"):
             with contextlib.suppress(AttributeError):  # read-only on some optimizer wrappers

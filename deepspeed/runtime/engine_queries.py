@@ -92,6 +92,19 @@ class EngineConfigQueries:
         """The ``log_level`` the config set (None: not set)."""
         return self._config.log_level
 
+    # DeepSpeed 0.19.5's module cast (runtime/precision/module_cast.py), under its method names
+    def _assert_valid_mixed_precision_config(self):
+        from .precision.module_cast import assert_valid_mixed_precision_config
+        assert_valid_mixed_precision_config(self)
+
+    def _mixed_precision_dtypes(self):
+        from .precision.module_cast import mixed_precision_dtypes
+        return mixed_precision_dtypes(self)
+
+    def _cast_module_mixed_precision(self, param_dtype, buffer_dtype, is_zero_init_model):
+        from .precision.module_cast import cast_module_mixed_precision
+        cast_module_mixed_precision(self, param_dtype, buffer_dtype, is_zero_init_model)
+
     def prescale_gradients(self) -> bool:
         return self.config_obj.model.prescale_gradients
 

@@ -229,10 +229,6 @@ KNOWN += [
      "out_of_scope", "flaky upstream: SimpleModel is built from an unseeded RNG (a different model in every process), "
      "and 'post-clip norm < pre-clip norm' holds only when some gradient element exceeds clip_value; a parameter whose "
      "norm exceeds it with every element inside fails on the real DeepSpeed alike"),
-    (r"test_mixed_precision_dtype\.py", "remaining",
-     "DeepSpeed 0.19.5's data_types.param_dtype / buffer_dtype (floating buffers kept fp32 under bf16/fp16 unless "
-     "buffer_dtype says otherwise) is not built: our bf16/fp16 strategies cast buffers with the parameters. Note: "
-     "torch's CPU batch_norm refuses bf16 weights with fp32 running stats, so the rule needs a per-module policy"),
     (r"test_zero_optim_overflow\.py::.*test_ignore_grad_overflow", "deviation",
      "pins that bf16 with check_grad_overflow false applies a NaN/Inf gradient (every weight becomes NaN, no step "
      "skipped); here a non-finite global gradient norm skips the step with a warning naming it and counts it "
