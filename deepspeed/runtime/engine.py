@@ -30,6 +30,7 @@ from .sequence_parallel.engine_groups import resolve_sequence_parallel_mpu, sequ
 from .strategy import StrategyContext
 from .strategy_factory import build_strategy
 from .torch_backward import TorchBackward, TorchBackwardMethods
+from .precision.module_cast import cast_buffers, configured_buffer_dtype
 from .torch_autocast import autocast_if_enabled
 
 FORWARD, BACKWARD, STEP = "forward", "backward", "step"
@@ -149,8 +150,9 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
                               param_groups=_normalize_param_groups(model, model_parameters),
                               optimizer_factory=factory, client_optimizer=client_optimizer)
         self.strategy = build_strategy(model, ctx)
-        if cfg.buffer_dtype is not None:   # data_types.buffer_dtype at any precision (module_cast.py)
-            self._cast_module_mixed_precision(None, self._mixed_precision_dtypes()[1], True)
+        # the strategy cast the parameters; buffers keep their dtype unless data_types.buffer_dtype
+        # (normalisation statistics follow their weights): precision/module_cast.py
+        cast_buffers(model, configured_buffer_dtype(cfg))
         self.optimizer = getattr(self.strategy, "engine_optimizer", self.strategy.optimizer)
         if self.optimizer is not None and not hasattr(self.optimizer, "overflow"):
             with contextlib.suppress(AttributeError):  # read-only on some optimizer wrappers

@@ -83,6 +83,26 @@ def kill_node(bed, host):
             pass
 
 
+def stop_nodes(procs):
+    """Kill whatever node agents are still running (their process groups) and reap them all."""
+    for p in procs.values():
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def check_against_reference(log, final_path, steps):
+    """Every step ran, each logged loss is the uninterrupted plain run's (a re-run step repeats it),
+    and the final parameters are that run's."""
+    ref_losses, ref_params = reference_losses_and_params(steps)
+    assert sorted({r["step"] for r in log}) == list(range(steps))
+    for r in log:
+        assert r["loss"] == pytest.approx(ref_losses[r["step"]], rel=1e-5, abs=1e-6), r
+    final = torch.load(final_path)
+    for got, want in zip(final, ref_params):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def reference_losses_and_params(steps):
     ref = make_model(seed=0)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -106,18 +126,10 @@ def test_elastic_job_survives_node_loss(clean_bed, tmp_path, job_env):
         killed_at = time.time()
         assert procs["worker-0"].wait(timeout=240) == 0, open(os.path.join(workdir, "worker-0.log")).read()[-6000:]
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        stop_nodes(procs)
     log = read_log(workdir)
     after = [r for r in log if r["time"] > killed_at]
-    ref_losses, ref_params = reference_losses_and_params(STEPS)
-
-    # every step ran, and each logged loss is the uninterrupted run's (a re-run step repeats it)
-    assert sorted({r["step"] for r in log}) == list(range(STEPS))
-    for r in log:
-        assert r["loss"] == pytest.approx(ref_losses[r["step"]], rel=1e-5, abs=1e-6), r
+    check_against_reference(log, os.path.join(workdir, "final.pt"), STEPS)
     # the global batch is kept; the elastic config picks micro 4 and the accumulation per world size
     assert {(r["train_batch_size"], r["micro"]) for r in log} == {(8, 4)}
     assert {(r["world"], r["gas"]) for r in before} >= {(2, 1)}
@@ -130,9 +142,6 @@ def test_elastic_job_survives_node_loss(clean_bed, tmp_path, job_env):
     assert first["restart"] > max(r["restart"] for r in before)
     assert first["resumed_from"] == first["step"]
     assert last_logged + 1 <= first["resumed_from"] <= last_logged + 2, (last_logged, first)
-    final = torch.load(os.path.join(workdir, "final.pt"))
-    for got, want in zip(final, ref_params):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -153,21 +162,12 @@ def test_elastic_job_grows_when_a_node_joins(clean_bed, tmp_path, job_env):
         for h, p in procs.items():
             assert p.wait(timeout=240) == 0, open(os.path.join(workdir, f"{h}.log")).read()[-6000:]
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        stop_nodes(procs)
     log = read_log(workdir)
-    ref_losses, ref_params = reference_losses_and_params(steps)
-    assert sorted({r["step"] for r in log}) == list(range(steps))
-    for r in log:
-        assert r["loss"] == pytest.approx(ref_losses[r["step"]], rel=1e-5, abs=1e-6), r
+    check_against_reference(log, os.path.join(workdir, "final.pt"), steps)
     before = [r for r in log if r["time"] <= joined_at]
     after = [r for r in log if r["time"] > joined_at and r["world"] == 2]
     assert before and {(r["world"], r["gas"], r["train_batch_size"]) for r in before} == {(1, 2, 8)}
     assert after and {(r["gas"], r["train_batch_size"]) for r in after} == {(1, 8)}
     assert after[0]["resumed_from"] == after[0]["step"] >= 3
     # (a membership change restarts the workers without counting a failure: the restart count stays)
-    final = torch.load(os.path.join(workdir, "final.pt"))
-    for got, want in zip(final, ref_params):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

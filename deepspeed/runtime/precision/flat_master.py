@@ -187,12 +187,10 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
                 src = f.slot.param.detach().reshape(-1).narrow(0, f.param_start, f.numel)
                 m.narrow(0, f.part_offset, f.numel).copy_(src)
             self.masters.append(m)
-        if self.mixed:   # parameters to the training dtype; buffers as data_types.buffer_dtype says
-            from .module_cast import cast_buffers
+        if self.mixed:   # parameters only: the engine casts the buffers (precision/module_cast.py)
             for p in self.module.parameters():
                 if p.is_floating_point() and p.dtype != self.dtype:
                     p.data = p.data.to(self.dtype)
-            cast_buffers(self.module, _buffer_dtype(self.ctx.config), self.dtype)
         self.param_flats = []
         self.opt_tensors = []
         for lay, m in zip(self.layouts, self.masters):
@@ -677,9 +675,3 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         for s in self.slots:
             if getattr(s.param, "_ds_state_owner", None) is self:
                 del s.param._ds_state_owner
-
-
-def _buffer_dtype(config):
-    from .module_cast import DTYPES
-    name = getattr(config, "buffer_dtype", None)
-    return DTYPES[name] if name else None

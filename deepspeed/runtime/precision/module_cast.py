@@ -10,8 +10,9 @@ with ``track_running_stats``) follow their module's weights, because torch's ker
 16-bit weights with fp32 running statistics (DeepSpeed leaves them fp32, and such a model then
 fails in its first forward unless ``buffer_dtype`` is set).
 
-The three functions take the engine (anything with ``_config``, ``fp16_enabled()``,
-``bfloat16_enabled()`` and ``module``); the engine exposes them under DeepSpeed's method names.
+The strategies cast the parameters; the engine then casts the buffers once (:func:`cast_buffers`).
+The functions taking ``engine`` (anything with ``_config``, ``fp16_enabled()``, ``bfloat16_enabled()``
+and ``module``) are exposed on the engine under DeepSpeed's method names.
 """
 from __future__ import annotations
 
@@ -49,46 +50,37 @@ def mixed_precision_dtypes(engine):
     return _training_dtype(engine), (DTYPES[buf] if buf is not None else None)
 
 
-def _running_stats(module):
-    """Buffers whose dtype must follow their module's weights (normalisation running statistics)."""
-    out = {}
-    for m in module.modules():
-        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats:
-            for name in ("running_mean", "running_var"):
-                b = getattr(m, name, None)
-                if b is not None:
-                    out[id(b)] = m
-    return out
+def configured_buffer_dtype(config):
+    """``data_types.buffer_dtype`` of a DeepSpeedConfig as a torch dtype (None: not set)."""
+    name = getattr(config, "buffer_dtype", None)
+    return DTYPES[name] if name else None
+
+
+def cast_buffers(module, buffer_dtype) -> None:
+    """Floating buffers to ``buffer_dtype`` when given; otherwise only normalisation running
+    statistics move, to their module's weight dtype (run after the parameters are cast)."""
+    stats = {}
+    if buffer_dtype is None:
+        for m in module.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats \
+                    and m.weight is not None:
+                for b in (m.running_mean, m.running_var):
+                    if b is not None:
+                        stats[id(b)] = m.weight.dtype
+        if not stats:
+            return
+    for b in module.buffers():
+        target = buffer_dtype if buffer_dtype is not None else stats.get(id(b))
+        if target is not None and b.is_floating_point() and b.dtype != target:
+            b.data = b.data.to(target)
 
 
 def cast_module_mixed_precision(engine, param_dtype, buffer_dtype, is_zero_init_model) -> None:
     """Cast the floating parameters to ``param_dtype`` (not when zero.Init made them: they
-    already have their dtype) and the floating buffers to ``buffer_dtype`` when given; running
-    statistics follow their module's weight dtype."""
+    already have their dtype), then the buffers (:func:`cast_buffers`)."""
     module = engine.module
     if param_dtype is not None and not is_zero_init_model:
         for p in module.parameters():
             if p.is_floating_point() and p.dtype != param_dtype:
                 p.data = p.data.to(param_dtype)
-    stats = _running_stats(module)
-    for b in module.buffers():
-        if not b.is_floating_point():
-            continue
-        owner = stats.get(id(b))
-        target = buffer_dtype
-        if owner is not None and buffer_dtype is None and owner.weight is not None:
-            target = owner.weight.dtype
-        if target is not None and b.dtype != target:
-            b.data = b.data.to(target)
-
-
-def cast_buffers(module, buffer_dtype, param_dtype) -> None:
-    """The buffer half of :func:`cast_module_mixed_precision` for strategies that cast their
-    parameters themselves (running statistics follow ``param_dtype`` unless ``buffer_dtype``)."""
-    stats = _running_stats(module)
-    for b in module.buffers():
-        if not b.is_floating_point():
-            continue
-        target = buffer_dtype if buffer_dtype is not None else (param_dtype if id(b) in stats else None)
-        if target is not None and b.dtype != target:
-            b.data = b.data.to(target)
+    cast_buffers(module, buffer_dtype)

@@ -200,9 +200,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
             self.comm.names[p.ds_id] = name
             if p.ds_persist or persist:
                 self.persistent.append(p)
-        from ..precision.module_cast import DTYPES, cast_buffers   # buffers as data_types.buffer_dtype says
-        name = self.ctx.config.buffer_dtype
-        cast_buffers(self.module, DTYPES[name] if name else None, self.dtype)
+        # buffers: cast once by the engine (precision/module_cast.py)
         if quant_frozen:   # ZeRO++ zero_quantized_nontrainable_weights: frozen partitions kept as int8 blocks
             for p in {id(q): q for q in self.module.parameters()}.values():
                 if not p.requires_grad and not p.ds_persist and p.is_floating_point() and not is_quantized(p):
