@@ -74,6 +74,9 @@ class DeepSpeedConfigModel(DSConfigModel):
     nonfinite_gradients: Literal["skip", "raise"] = "skip"
     # DeepSpeed 0.19: the DeepSpeed logger's level, set when the engine is built (None: unchanged)
     log_level: Optional[str] = None
+    # DeepSpeed 0.19: false = the caller's step() is the accumulation boundary (backward only
+    # accumulates, every step() reduces and updates): runtime/unmanaged_accumulation.py
+    managed_gradient_accumulation: bool = True
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -285,6 +288,13 @@ class DeepSpeedConfig:
                 "torch_autocast.enabled cannot be combined with fp16.enabled or bf16.enabled: "
                 "torch_autocast keeps fp32 parameters and autocasts compute, fp16/bf16 hold 16-bit parameters.")
         z = m.zero_optimization
+        if not m.managed_gradient_accumulation and z.overlap_comm and z.stage < 2:
+            # DeepSpeed asserts this: stage 0/1 reduce in step(), after every backward of the window
+            raise DeepSpeedConfigAssertionError(
+                f"managed_gradient_accumulation=False supports ZeRO overlap_comm only with ZeRO stage 2 (or 3): at "
+                f"zero_optimization.stage {z.stage} the gradients are reduced in step(), after the backward passes, "
+                f"so there is nothing to overlap. Set zero_optimization.overlap_comm false (or leave it unset), "
+                f"use stage 2 or 3, or set managed_gradient_accumulation true.")
         # ZeRO-Infinity NVMe swapping: each case is lifted where it is built.
         if z.offload_optimizer_device == "nvme" and z.stage in (1, 2):  # stage 1/2: runtime/precision/nvme_master.py
             check_nvme_path(z.offload_optimizer.nvme_path, "zero_optimization.offload_optimizer.nvme_path")

@@ -37,7 +37,8 @@ ADAM_W_MODE_DEFAULT = True
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigModel", "DeepSpeedConfigError", "FeatureNotAvailableError",
            "DEEPSPEED_OPTIMIZERS", "ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER", "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER",
            "LION_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER", "ZERO_ONE_ADAM_OPTIMIZER", "ONEBIT_LAMB_OPTIMIZER",
-           "TORCH_ADAM_PARAM", "ADAM_W_MODE", "ADAM_W_MODE_DEFAULT", "get_gradient_clipping", "get_log_level"]
+           "TORCH_ADAM_PARAM", "ADAM_W_MODE", "ADAM_W_MODE_DEFAULT", "get_gradient_clipping", "get_log_level",
+           "get_managed_gradient_accumulation"]
 
 
 def get_gradient_clipping(param_dict: dict) -> float:
@@ -48,3 +49,8 @@ def get_gradient_clipping(param_dict: dict) -> float:
 def get_log_level(param_dict: dict):
     """``log_level`` of a config dict (None: the logger's level is left as it is)."""
     return param_dict.get(LOG_LEVEL, LOG_LEVEL_DEFAULT)  # noqa: F405
+
+
+def get_managed_gradient_accumulation(param_dict: dict) -> bool:
+    """``managed_gradient_accumulation`` of a config dict, or DeepSpeed 0.19's default (True)."""
+    return param_dict.get(MANAGED_GRADIENT_ACCUMULATION, MANAGED_GRADIENT_ACCUMULATION_DEFAULT)  # noqa: F405

@@ -32,6 +32,7 @@ from .strategy_factory import build_strategy
 from .torch_backward import TorchBackward, TorchBackwardMethods
 from .precision.module_cast import cast_buffers, configured_buffer_dtype
 from .torch_autocast import autocast_if_enabled
+from . import unmanaged_accumulation as unmanaged
 
 FORWARD, BACKWARD, STEP = "forward", "backward", "step"
 
@@ -89,6 +90,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
         if self.config_obj.world_size != self.dp_world_size:  # built before dist init: re-resolve
             self.config_obj = DeepSpeedConfig(self.config_obj.raw, world_size=self.dp_world_size)
         cfg = self.config_obj
+        if not cfg.managed_gradient_accumulation:
+            unmanaged.check_supported(self)
         self._assert_valid_mixed_precision_config()   # data_types.param_dtype agrees with fp16/bf16
         if cfg.log_level is not None:   # DeepSpeed 0.19's log_level key
             from ..utils.logging import set_log_level_from_string
@@ -102,6 +105,9 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
         self.skipped_steps = 0
         comm.timeouts.set_step_source(self)   # collective failures name this engine's step
         self._boundary_override = None
+        self._unmanaged_backward_count = 0   # managed_gradient_accumulation false: runtime/unmanaged_accumulation.py
+        self._running_engine_step = False
+        self._step_applied = None   # did the last step() update the weights (None: no step() yet)
         self._last_loss = None
         self._losses_since_print = []
         self._warned_no_optimizer = False
@@ -291,6 +297,8 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
         # Sequence parallelism sums gradients over the sequence ranks (runtime/sequence_parallel/engine_groups.py)
         scaled = self.strategy.scale_loss(loss * self._sp_grad_factor if self._sp_grad_factor != 1.0 else loss)
         boundary = self.is_gradient_accumulation_boundary()
+        if not self.config_obj.managed_gradient_accumulation:
+            unmanaged.count_backward(self)
         tb = self._torch_backward
         tb.engine_running = True   # the output hooks stand aside
         try:
@@ -316,10 +324,14 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
+        if not self.config_obj.managed_gradient_accumulation:   # the caller's step() is the boundary
+            return self._running_engine_step
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Force the boundary (Accelerate drives accumulation itself)."""
+        if not self.config_obj.managed_gradient_accumulation:
+            unmanaged.refuse("set_gradient_accumulation_boundary()")
         self._boundary_override = bool(is_boundary)
 
     def step(self, lr_kwargs=None):
@@ -329,6 +341,10 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
         obs = self._obs
         if obs is not None:
             obs.step_begin()
+        managed = self.config_obj.managed_gradient_accumulation
+        if not managed:   # every step() is the boundary: reduce what the window left local
+            unmanaged.open_step(self)
+        self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             if self._features:  # schedules advance before the optimizer step, as in DeepSpeed
@@ -344,17 +360,20 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
                 with contextlib.suppress(AttributeError):
                     self.optimizer.overflow = outcome_skipped
             self._global_grad_norm = norm
+            self._step_applied = not outcome_skipped
             if outcome_skipped:
                 self.skipped_steps += 1
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.strategy.zero_grad(set_to_none=True)
             self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+            self.global_samples += self.train_batch_size() if managed else unmanaged.window_samples(self)
             if self._features:  # compression's scheduler steps after the optimizer step
                 self._features.after_step(self)
             self.tput_timer.stop(global_step=True)
             self._maybe_log()
+        if not managed:
+            unmanaged.close_step(self)
         self.micro_steps += 1
         self.timers(STEP).stop()
         if obs is not None:
@@ -425,8 +444,12 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
         return self.strategy.loss_scale
 
     @property
-    def was_step_applied(self) -> bool:
-        return not getattr(self.optimizer, "overflow", False)
+    def was_step_applied(self) -> "_CallableBool":
+        """Whether the last ``step()`` updated the weights (False: fp16 overflow skipped it, or a
+        managed non-boundary step). DeepSpeed's is a method: ``engine.was_step_applied()``; the
+        value also reads as a bool without the call, as this property always did."""
+        applied = self._step_applied   # None: no step() ran (or the pipeline engine's own step did)
+        return _CallableBool(not getattr(self.optimizer, "overflow", False) if applied is None else applied)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
@@ -496,6 +519,32 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             sd = {k: v for k, v in sd.items() if k not in frozen}
         return sd
+
+
+class _CallableBool:
+    """A bool that can also be called (``engine.was_step_applied`` and ``was_step_applied()``)."""
+    __slots__ = ("value",)
+
+    def __init__(self, value: bool):
+        self.value = bool(value)
+
+    def __bool__(self) -> bool:
+        return self.value
+
+    def __call__(self) -> bool:
+        return self.value
+
+    def __eq__(self, other):
+        return self.value == (other.value if isinstance(other, _CallableBool) else other)
+
+    def __hash__(self):
+        return hash(self.value)
+
+    def __repr__(self):
+        return repr(self.value)
+
+    def __reduce__(self):   # pickles as the plain bool
+        return (bool, (self.value,))
 
 
 def _cast_floating(x, dtype):

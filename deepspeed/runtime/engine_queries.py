@@ -27,6 +27,11 @@ class EngineConfigQueries:
     def gradient_accumulation_steps(self) -> int:
         return self.config_obj.gradient_accumulation_steps
 
+    def managed_gradient_accumulation(self) -> bool:
+        """The top-level ``managed_gradient_accumulation`` (DeepSpeed 0.19; default True). False: the
+        caller's ``step()`` is the accumulation boundary (runtime/unmanaged_accumulation.py)."""
+        return bool(self.config_obj.managed_gradient_accumulation)
+
     def get_batch_info(self) -> Tuple[int, int, int]:
         """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)."""
         return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()

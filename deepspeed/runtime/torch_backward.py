@@ -71,6 +71,9 @@ class TorchBackward:
         eng = self.engine
         eng.timers(_BACKWARD_TIMER).start()
         self.gas, self.sp = eng.gradient_accumulation_steps(), eng._sp_grad_factor
+        if not eng.config_obj.managed_gradient_accumulation:   # one micro-batch of the caller's window
+            from .unmanaged_accumulation import count_backward
+            count_backward(eng)
         self.token = eng.strategy.begin_backward(eng.is_gradient_accumulation_boundary())
         self.task, self.is_open = task, True
 
@@ -266,7 +269,11 @@ class TorchBackwardMethods:
         optimizer step: call ``engine.step()`` after it (inside it raises), set the boundary
         with ``set_gradient_accumulation_boundary`` as usual, do not spread one accumulation
         window over several blocks. ZeRO stages 1-3; not under pipeline parallelism; not
-        nested with ``engine.no_sync()``. If the block raises, nothing is reduced."""
+        nested with ``engine.no_sync()``; not with ``managed_gradient_accumulation: false``. If the
+        block raises, nothing is reduced."""
+        if not self.config_obj.managed_gradient_accumulation:
+            from .unmanaged_accumulation import refuse
+            refuse("coalesce_grad_reduction")
         stage = self.zero_optimization_stage()
         if stage not in (1, 2, 3):
             raise NotImplementedError(f"coalesce_grad_reduction requires ZeRO stage 1/2/3, got stage {stage} "
