@@ -47,7 +47,9 @@ def safe_get_full_fp32_param(param):
 
 
 def safe_get_full_grad(param):
-    """The full averaged gradient of ``param`` in fp32, or None if it has none."""
+    """The full averaged gradient of ``param`` in fp32, or None if it has none. Inside
+    ``engine.no_sync()`` / ``coalesce_grad_reduction()`` at ZeRO stages 0-2 it is the rank's local,
+    not yet reduced ``param.grad`` itself, as DeepSpeed returns it."""
     if _frozen(param):
         return None
     o = _owner(param)

@@ -138,6 +138,22 @@ def _body(rank, world_size):
         out[("one_step", stage)] = _weights(e)
         e.destroy()
     out["local_ref"] = _local_grads(0, _rows(x, rank), _rows(y, rank), GAS)
+    # 2b. (managed) ZeRO-2 inside coalesce_grad_reduction / no_sync: safe_get_full_grad is the local,
+    #     not yet reduced param.grad, as DeepSpeed (upstream test_safe_get_full_grad_returns_local_pre_reduce_value)
+    from deepspeed.utils import safe_get_full_grad
+    for dtype in ("fp32", "bf16"):
+        cfg = _config(2, managed=True)
+        half = torch.float32
+        if dtype == "bf16":
+            cfg["bf16"], half = {"enabled": True}, torch.bfloat16
+        e = _engine(cfg)
+        with e.coalesce_grad_reduction():
+            e.set_gradient_accumulation_boundary(True)
+            e.backward(e(_rows(x, rank).to(half), _rows(y, rank).to(half)))
+            out[("z2_local", dtype)] = [(safe_get_full_grad(p).clone(), p.grad.clone()) for p in e.module.parameters()]
+        out[("z2_reduced", dtype)] = [safe_get_full_grad(p).clone() for p in e.module.parameters()]
+        e.step()
+        e.destroy()
     # 3. refusals
     refusals = {}
     for stage in (0, 2):
@@ -197,6 +213,17 @@ def test_unmanaged_gradient_accumulation_world2():
         one = _reference(_batches(sum(n for n, _ in WINDOWS) + 1)[-1:], [(1, "engine")])
         for got, want in zip(res[0][("one_step", stage)], one):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for dtype in ("fp32", "bf16"):
+        tol = dict(rtol=1e-5, atol=1e-7) if dtype == "fp32" else dict(rtol=2e-2, atol=2e-3)
+        for rank in (0, 1):
+            for (full, grad), want in zip(res[rank][("z2_local", dtype)], res[rank]["local_ref"]):
+                assert torch.equal(full, grad)
+                torch.testing.assert_close(full.float(), want, **tol)
+        # after the block: the average of both ranks' gradients, the same on both
+        for a, b, l0, l1 in zip(res[0][("z2_reduced", dtype)], res[1][("z2_reduced", dtype)],
+                                res[0]["local_ref"], res[1]["local_ref"]):
+            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a.float(), (l0 + l1) / 2, **tol)
     refusals = res[0]["refusals"]
     for stage in (0, 2):
         assert "set_gradient_accumulation_boundary" in refusals[("boundary", stage)]

@@ -190,6 +190,11 @@ class FlatStateMixin:
         return self._full(param, "fp32")
 
     def full_grad(self, param):
+        if not self._sync_enabled and param.grad is not None:
+            # inside engine.no_sync() / coalesce_grad_reduction() the gradient is still the rank's own,
+            # accumulated in param.grad (ZeRO-2 reduces it at the next synced backward): as DeepSpeed,
+            # safe_get_full_grad returns that local, not yet reduced param.grad (no collective)
+            return param.grad
         return self._full(param, "grad")
 
     def full_optimizer_state(self, param, key):
