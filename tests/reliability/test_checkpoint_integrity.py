@@ -91,6 +91,64 @@ def test_flipped_bytes_in_each_file_are_caught_and_named(stage, tmp_path):
     eng.destroy()
 
 
+def test_optimizer_file_is_loaded_from_the_map_its_check_reads(tmp_path, monkeypatch):
+    """The optimizer file is checked in the background over the very map its tensors are sliced
+    from (one page fault per page); the load returns before the check ends and the check's
+    outcome still decides the load, at the agreement."""
+    from deepspeed.runtime.checkpoint import manifest
+    eng = _trained(2)
+    save = str(tmp_path / "ckpt")
+    eng.save_checkpoint(save)
+    want = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+    want_opt = [t.clone() for t in _opt_tensors(eng)]
+    taken = []
+    real = manifest.take_prefetched
+
+    def spy(path):
+        got = real(path)
+        taken.append((os.path.basename(path), got is not None))
+        return got
+    monkeypatch.setattr(manifest, "take_prefetched", spy)
+    fresh, *_ = deepspeed.initialize(model=make_model(seed=5), config=_cfg(2))
+    fresh.load_checkpoint(save)
+    assert ("zero_pp_rank_0_mp_rank_00_optim_states.pt", True) in taken, taken
+    for n, p in fresh.module.named_parameters():
+        assert torch.equal(p, want[n]), n
+    got_opt = _opt_tensors(fresh)
+    assert len(got_opt) == len(want_opt) and all(torch.equal(a, b) for a, b in zip(got_opt, want_opt))
+    optim = os.path.join(save, "global_step1", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    _flip(optim, _largest_tensor_record(optim))
+    taken.clear()
+    with pytest.raises(CheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt.*corrupted"):
+        fresh.load_checkpoint(save)
+    assert ("zero_pp_rank_0_mp_rank_00_optim_states.pt", True) in taken, taken
+    # outside a load's agreement, a mismatch found after the file was loaded raises when settled
+    manifest._verified.clear()
+    manifest.prefetch([optim])
+    mapped, fut = manifest.take_prefetched(optim)
+    with pytest.raises(CheckpointError, match="corrupted"):
+        manifest.settle(fut)
+    eng.destroy()
+    fresh.destroy()
+
+
+def _opt_tensors(eng):
+    sd = eng.optimizer.state_dict()
+    out = []
+
+    def walk(x):
+        if torch.is_tensor(x):
+            out.append(x)
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+    walk(sd)
+    return out
+
+
 def test_corrupted_optimizer_named_tensor_is_the_one_flipped(tmp_path):
     """The tensor named is the one whose bytes changed (checked against the file's own structure)."""
     eng = _trained(2)

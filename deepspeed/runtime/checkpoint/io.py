@@ -328,6 +328,9 @@ def load_file(path: str, map_location="cpu", mmap: bool = False, verify=None, sh
                                       f"{entry['bytes']} were written{_manifest.missing_note(d, n)}. Restore it from "
                                       f"a copy or load another tag.")
             return _load_hashed(path, map_location, entry, share)
+        taken = _manifest.take_prefetched(path) if mmap else None
+        if taken is not None:   # checked in the background over the map this load slices from
+            return _load_prefetched(path, *taken)
         try:
             with _manifest.set_checkpoint_verification(True):
                 _manifest.verify_file(path, _load_unverified)
@@ -375,6 +378,28 @@ def _load_hashed(path: str, map_location, entry: dict, share):
     bad = hasher.mismatches(obj)
     if bad is not None:
         _manifest.defer_or_raise(CheckpointError(bad))
+    return obj
+
+
+def _load_prefetched(path: str, mapped, future):
+    """A memory-mapped load of a file :func:`.manifest.prefetch` is checking: the tensors are
+    sliced from the map the check reads (torch's own zip reader and weights-only unpickler,
+    ``overall_storage`` as ``mmap=True`` does), and the check's outcome is settled later
+    (:func:`.manifest.settle`). If the file does not even load, its checksum failure (when
+    there is one) is the error."""
+    import numpy as np
+    import torch.serialization as ts
+    storage = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8)).untyped_storage()
+    try:
+        with ts.safe_globals(SAFE_GLOBALS), open(path, "rb") as f, ts._open_zipfile_reader(f) as zf:
+            obj = ts._load(zf, "cpu", ts._weights_only_unpickler, overall_storage=storage, encoding="utf-8")
+    except Exception as err:  # noqa: BLE001 - name the file and the rule
+        future.result()   # a damaged file raises its CheckpointError (the mismatch) here
+        raise CheckpointError(
+            f"Could not load checkpoint file '{path}' with torch.load(weights_only=True): {err}. Checkpoint "
+            f"files may only hold tensors, plain Python containers/numbers/strings (client_state included) "
+            f"and these types: {allowed_names()}.") from None
+    _manifest.settle(future)
     return obj
 
 

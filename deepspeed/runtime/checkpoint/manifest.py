@@ -271,13 +271,21 @@ def deferred_failures(share=None):
     ``share=(i, n)``: this process is member ``i`` of ``n`` that all read the same files
     here; a file (or the tensors of a file) every member reads is checked by one member
     only (:func:`current_share`), the agreement covering the others."""
-    prev = getattr(_deferred, "failures", None), getattr(_deferred, "share", None)
+    prev = (getattr(_deferred, "failures", None), getattr(_deferred, "share", None),
+            getattr(_deferred, "futures", None))
     _deferred.failures, _deferred.share = [], (share if share is not None and share[1] > 1 else None)
+    _deferred.futures = []
+    failures, futures = _deferred.failures, _deferred.futures
     try:
-        yield _deferred.failures
+        yield failures
     finally:
-        _deferred.failures, _deferred.share = prev
+        _deferred.failures, _deferred.share, _deferred.futures = prev
         cancel_prefetch()
+        for fut in futures:   # checks of files loaded before their check ended (see settle)
+            try:
+                fut.result()
+            except CheckpointError as err:
+                failures.append(str(err))
 
 
 def deferring() -> bool:
@@ -391,23 +399,45 @@ def _threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def _crc_ranges(path: str, size: int, chunk: int) -> List[int]:
+def _crc_ranges(path: str, size: int, chunk: int, mapped=None) -> List[int]:
+    """CRC-32 of each ``chunk`` of the file, over ``mapped`` (a map of the whole file that
+    the caller also loads from, see :func:`prefetch`) or over a map made here."""
     if size == 0:
         return [0]
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        with memoryview(mm) as mv:
-            starts = list(range(0, size, chunk))
+    with contextlib.ExitStack() as stack:
+        if mapped is None:
+            f = stack.enter_context(open(path, "rb"))
+            mapped = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        mv = stack.enter_context(memoryview(mapped))
+        starts = list(range(0, size, chunk))
 
-            def one(a):
-                view = mv[a:min(a + chunk, size)]
-                try:
-                    return crc32(view)
-                finally:
-                    view.release()
-            if len(starts) == 1:
-                return [one(0)]
-            with ThreadPoolExecutor(min(_threads(), len(starts))) as pool:
-                return list(pool.map(one, starts))
+        def one(a):
+            view = mv[a:min(a + chunk, size)]
+            try:
+                return crc32(view)
+            finally:
+                view.release()
+        if len(starts) == 1:
+            return [one(0)]
+        with ThreadPoolExecutor(min(_threads(), len(starts))) as pool:
+            return list(pool.map(one, starts))
+
+
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if os.uname().sysname == "Linux" else 0)
+
+
+def map_private(path: str):
+    """A private (copy-on-write), unreserved map of the whole file: what ``torch.load(mmap=True)``
+    slices its tensors from, made here so that the checksum pass and the load share it (each
+    page is faulted in once, by whichever touches it first). None for an empty file."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
 
 
 def file_crcs(path: str, chunk: int = CHUNK_BYTES) -> List[int]:
@@ -436,8 +466,11 @@ _pending: Dict[str, tuple] = {}
 def prefetch(paths: Iterable[str], loader=None) -> None:
     """Start verifying these files (ones a caller is about to load memory-mapped) on a
     background thread, one at a time in the given order, so the checksums overlap with
-    loading other files; :func:`verify_file` then waits for a file's result instead of
-    starting over. :func:`cancel_prefetch` drops those nobody asked for."""
+    loading other files and with copying out of these. Each file is mapped here once and the
+    checksum pass reads that map: a memory-mapped load takes it (:func:`take_prefetched`)
+    instead of mapping the file again, so every page is faulted in once. :func:`verify_file`
+    waits for a file's result instead of starting over. :func:`cancel_prefetch` drops those
+    nobody asked for."""
     global _prefetch_pool
     if not verification_enabled():
         return
@@ -450,13 +483,43 @@ def prefetch(paths: Iterable[str], loader=None) -> None:
         for p in paths:
             path = os.path.abspath(p)
             if path not in _pending and os.path.isfile(path):
-                _pending[path] = (_file_key(path), _prefetch_pool.submit(_verify_now, path, loader))
+                key = _file_key(path)
+                try:
+                    mapped = map_private(path)
+                except (OSError, ValueError):
+                    mapped = None
+                _pending[path] = (key, _prefetch_pool.submit(_verify_now, path, loader, mapped), mapped)
+
+
+def take_prefetched(path: str):
+    """``(map, future)`` of a file :func:`prefetch` is checking, for a memory-mapped load that
+    slices its tensors from the same map and then hands the future to :func:`settle`; None if
+    the file was not prefetched, was changed since, or is empty."""
+    path = os.path.abspath(path)
+    with _lock:
+        pending = _pending.get(path)
+        if pending is None or pending[2] is None or pending[0] != _file_key(path):
+            return None
+        del _pending[path]
+    return pending[2], pending[1]
+
+
+def settle(future) -> None:
+    """The outcome of a background check whose file was loaded before the check ended: inside
+    :func:`deferred_failures` it is collected when the block ends (so the check overlaps with
+    what the caller does with the loaded tensors, all of it before the agreement); else it
+    is waited for here and a mismatch raises."""
+    futures = getattr(_deferred, "futures", None)
+    if futures is not None and deferring():
+        futures.append(future)
+        return
+    future.result()
 
 
 def cancel_prefetch() -> None:
     """Drop background verifications nobody waited for (files that were not loaded)."""
     with _lock:
-        for _, fut in _pending.values():
+        for _, fut, _ in _pending.values():
             fut.cancel()
         _pending.clear()
 
@@ -469,7 +532,7 @@ def _file_key(path: str):
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _verify_now(path: str, loader=None) -> None:
+def _verify_now(path: str, loader=None, mapped=None) -> None:
     directory, name = os.path.split(os.path.abspath(path))
     man = read_manifest(directory)
     if man is None or name not in man["files"]:
@@ -485,7 +548,7 @@ def _verify_now(path: str, loader=None) -> None:
                               f"{e['bytes']} were written ({_who(man, name)}). Restore it from a copy or load "
                               f"another tag.")
     chunk = int(e.get("chunk_bytes", CHUNK_BYTES))
-    got = _crc_ranges(path, st.st_size, chunk)
+    got = _crc_ranges(path, st.st_size, chunk, mapped)
     bad = [i for i, (a, b) in enumerate(zip(got, e["crc32"])) if a != b]
     if bad or len(got) != len(e["crc32"]):
         ranges = ", ".join(f"[{i * chunk}, {min((i + 1) * chunk, st.st_size)})" for i in bad[:4])
