@@ -1,14 +1,12 @@
 """``deepspeed.checkpointing``: the documented activation-checkpointing API.
 
-The implementation lives in :mod:`deepspeed.runtime.activation_checkpointing`.
+As in DeepSpeed, ``deepspeed.checkpointing`` IS the module
+:mod:`deepspeed.runtime.activation_checkpointing.checkpointing` (this file puts that module in its
+place), so its module-level state (``PARTITION_ACTIVATIONS``, ``CPU_CHECKPOINT``, ``mpu``, ...) is one
+and the same under both names.
 """
-from deepspeed.runtime.activation_checkpointing.checkpointing import (  # noqa: F401
-    CheckpointFunction, CudaRNGStatesTracker, _MODEL_PARALLEL_RNG_TRACKER_NAME, _set_cuda_rng_state, checkpoint,
-    configure, get_cuda_rng_tracker, is_configured, model_parallel_cuda_manual_seed,
-    model_parallel_reconfigure_tp_seed, non_reentrant_checkpoint, reset)
+import sys
 
-__all__ = [
-    "configure", "is_configured", "checkpoint", "non_reentrant_checkpoint", "reset", "CheckpointFunction",
-    "CudaRNGStatesTracker", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
-    "model_parallel_reconfigure_tp_seed",
-]
+from deepspeed.runtime.activation_checkpointing import checkpointing as _implementation
+
+sys.modules[__name__] = _implementation

@@ -103,8 +103,10 @@ def all_gather_coalesced(output_tensors: List[List[torch.Tensor]], input_tensors
 @torch.no_grad()
 def reduce_scatter_coalesced(tensors: List[torch.Tensor], group=None) -> List[torch.Tensor]:
     """Average ``tensors`` across the group and return this rank's partition of each: tensor
-    ``t`` is split into ``world`` chunks of ``ceil(t.numel() / world)`` elements (the last
-    zero-padded), as ZeRO partitions it; one reduce-scatter for all of them."""
+    ``t`` is split into ``world`` chunks of ``ceil(t.numel() / world)`` elements, as ZeRO
+    partitions it; one reduce-scatter for all of them (short chunks travel zero-padded). As
+    DeepSpeed's, each output holds only this rank's real elements: the last chunks of a
+    tensor that does not divide evenly are shorter, and may be empty."""
     world = _world(group)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     sizes = [math.ceil(t.numel() / world) for t in tensors]
@@ -123,8 +125,9 @@ def reduce_scatter_coalesced(tensors: List[torch.Tensor], group=None) -> List[to
     else:
         mine.copy_(buf)
     out, off = [], 0
-    for s in sizes:
-        out.append(mine[off:off + s])
+    for t, s in zip(tensors, sizes):
+        real = max(0, min(s, t.numel() - rank * s))   # this rank's elements of t (padding dropped)
+        out.append(mine[off:off + real])
         off += s
     return out
 

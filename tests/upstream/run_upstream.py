@@ -435,8 +435,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_module(module: str, tests_dir: str, args, scratch: str) -> dict:
-    """Run one module to completion, resuming after hangs; return its record."""
+def run_module(module: str, tests_dir: str, args, scratch: str, targets=None) -> dict:
+    """Run one module to completion, resuming after hangs; return its record. ``targets``: node ids
+    (relative to the staged tests directory) to run instead of the whole module (``--rerun-failing``)."""
     unit_rel = os.path.join("unit", module)
     events_path = os.path.join(scratch, "events.jsonl")
     deselect_path = os.path.join(scratch, "deselect.txt")
@@ -464,7 +465,8 @@ def run_module(module: str, tests_dir: str, args, scratch: str) -> dict:
         if remaining <= 5:
             record["module_timeout"] = True
             break
-        cmd = [sys.executable, "-m", "pytest", unit_rel, "-p", "upstream_plugin", "-p", "no:cacheprovider",
+        cmd = [sys.executable, "-m", "pytest", *(targets or [unit_rel]), "-p", "upstream_plugin",
+               "-p", "no:cacheprovider",
                "-p", "timeout", f"--timeout={args.test_timeout}", "--timeout-method=thread",
                "-q", "-rN", "--no-header", "-o", "addopts=" + args.addopts]
         if args.k:
@@ -575,6 +577,9 @@ def main(argv=None):
     ap.add_argument("--workdir", help="scratch directory (default: a fresh temporary one)")
     ap.add_argument("--package-root", help="run against the deepspeed package in this directory instead of this "
                     "checkout's (e.g. a git worktree of an older commit, for a before/after comparison)")
+    ap.add_argument("--rerun-failing", metavar="JSON", help="run only what did not pass in this saved summary "
+                    "(failed / error / hung tests by node id; a module that did not collect as a whole), e.g. with "
+                    "--package-root pointing at another deepspeed to learn how those tests fare there")
     ap.add_argument("--reclassify", metavar="JSON", help="re-apply KNOWN to a saved summary, rewrite it and print "
                     "its table (runs nothing)")
     args = ap.parse_args(argv)
@@ -598,7 +603,11 @@ def main(argv=None):
     os.makedirs(workdir, exist_ok=True)
     tests_dir = stage_tests(source, workdir)
     unit_dir = os.path.join(tests_dir, "unit")
-    if args.modules:
+    targets_of = {}
+    if args.rerun_failing:
+        targets_of = failing_targets(args.rerun_failing, args.modules)
+        modules = list(targets_of)
+    elif args.modules:
         modules = args.modules
     elif args.all:
         modules = all_modules(unit_dir)
@@ -608,7 +617,7 @@ def main(argv=None):
     records, skipped_modules = [], {}
     for module in modules:
         why = out_of_scope_reason(module)
-        if why and not args.modules:
+        if why and not args.modules and not args.rerun_failing:
             skipped_modules[module] = why
             continue
         if not os.path.exists(os.path.join(unit_dir, module.split("::")[0])):
@@ -617,7 +626,7 @@ def main(argv=None):
             continue
         scratch = os.path.join(workdir, "runs", re.sub(r"[^A-Za-z0-9_.-]", "_", module))
         os.makedirs(scratch, exist_ok=True)
-        rec = run_module(module, tests_dir, args, scratch)
+        rec = run_module(module, tests_dir, args, scratch, targets_of.get(module))
         records.append(rec)
         c = tally(rec)
         print(f"[{len(records)}/{len(modules)}] {module}: " + ", ".join(f"{k} {v}" for k, v in c.items() if v)
@@ -629,6 +638,23 @@ def main(argv=None):
     _write_json(args.json, where, args, records, skipped_modules, total)
     print(f"\nJSON summary: {args.json}")
     return 0
+
+
+def failing_targets(path: str, only_modules=None) -> dict:
+    """module -> node ids that did not pass in the summary at ``path`` (None: rerun the whole module,
+    it did not collect). ``only_modules`` narrows it to those module entries."""
+    with open(path) as f:
+        summary = json.load(f)
+    out = {}
+    for r in summary["modules"]:
+        if only_modules and r["module"] not in only_modules:
+            continue
+        ids = [n for n, t in r["tests"].items() if t["outcome"] in ("failed", "error", "hung")]
+        if r["collect_errors"]:
+            out[r["module"]] = None
+        elif ids:
+            out[r["module"]] = ids
+    return out
 
 
 def print_not_passing(records) -> None:

@@ -305,6 +305,12 @@ def _body(rank, ws, out_dir):
     norm = ds_utils.get_weight_norm(flat)
     out["overflow"] = (ds_utils.CheckOverflow([[q1, q2]]).check_using_norm([norm], reduce_overflow=False),
                        ds_utils.CheckOverflow([[q1, q2]]).check())
+
+    # reduce_scatter_coalesced (DeepSpeed narrows each output to this rank's real elements): the mean
+    # over ranks of arange(3) * (rank + 1) is [0, 1.5, 3], split in chunks of ceil(3 / 2) = 2
+    from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
+    parts = reduce_scatter_coalesced([torch.arange(3.) * (rank + 1), torch.full((1,), rank + 1.)])
+    out["rsc"] = [p.tolist() for p in parts]
     return out
 
 
@@ -324,6 +330,7 @@ def test_deepspeed_unit_test_causes_on_two_ranks(tmp_path):
         assert r["clip_norm"][0] == pytest.approx(r["clip_norm"][1], rel=1e-6)
         assert r["overflow"] == (True, True)
         assert r["both_ranks_convert"][0] and r["both_ranks_convert"][1] < 1e-6   # no temp files left, values
+    assert r0["rsc"] == [[0.0, 1.5], [1.5]] and r1["rsc"] == [[3.0], []]
     assert r0["tied_one_tensor"] and r0["fp32_err"] < 1e-6
     n, first, names_ok, values_ok = r0["shards"]
     assert n > 1 and first == f"pytorch_model-00001-of-{n:05d}.bin" and names_ok and values_ok
@@ -431,3 +438,32 @@ def test_trim_mean_sorted_copy():
     assert trim_mean([], 0.1) == 0
     with pytest.raises(ValueError, match="trim_percent"):
         trim_mean(data, 1.5)
+
+
+def test_checkpointing_module_globals_are_the_configuration():
+    """DeepSpeed's ``deepspeed.checkpointing`` is runtime.activation_checkpointing.checkpointing, whose
+    module globals (PARTITION_ACTIVATIONS, CPU_CHECKPOINT, num_layers, ...) are what configure() set and
+    are assigned directly by clients; contiguous checkpointing without a layer count is an AssertionError."""
+    import deepspeed
+    import deepspeed.checkpointing as cp_import
+    import deepspeed.runtime.activation_checkpointing.checkpointing as impl
+    from deepspeed.runtime.activation_checkpointing import settings
+    cp = deepspeed.checkpointing
+    assert cp is impl and cp_import is impl
+    try:
+        settings._reset_settings()
+        assert (cp.PARTITION_ACTIVATIONS, cp.CPU_CHECKPOINT, cp.num_layers, cp.mpu,
+                cp.deepspeed_checkpointing_enabled) == (False, False, None, None, False)
+        cp.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=3,
+                     checkpoint_in_cpu=True, synchronize=True)
+        assert (cp.PARTITION_ACTIVATIONS, cp.CONTIGUOUS_CHECKPOINTING, cp.num_layers, cp.CPU_CHECKPOINT,
+                cp.SYNCHRONIZE, cp.PROFILE_TIME, cp.deepspeed_checkpointing_enabled) == (
+                    True, True, 3, True, True, False, True)
+        cp.CPU_CHECKPOINT, cp.PROFILE_TIME = False, True   # assigned as DeepSpeed's clients do
+        assert (settings.current().checkpoint_in_cpu, settings.current().profile) == (False, True)
+        settings._reset_settings()
+        with pytest.raises(AssertionError, match="number of layers"):
+            cp.configure(None, partition_activations=True, contiguous_checkpointing=True)
+        assert cp.deepspeed_checkpointing_enabled is False   # refused before anything was installed
+    finally:
+        settings._reset_settings()

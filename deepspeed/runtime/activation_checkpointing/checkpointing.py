@@ -20,7 +20,9 @@ Two modes:
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
+import types
 from typing import Any, Tuple
 
 import torch
@@ -237,6 +239,31 @@ def checkpoint(function, *args, use_reentrant: bool = True, **kwargs):
         return CheckpointFunction.apply(function, _GRAD_ANCHOR, *args)
     return CheckpointFunction.apply(function, *args)
 
+
+# DeepSpeed keeps the configuration in module globals that clients (and its tests) read and assign:
+# ``PARTITION_ACTIVATIONS``, ``CONTIGUOUS_CHECKPOINTING``, ``num_layers``, ``CPU_CHECKPOINT``, ``SYNCHRONIZE``,
+# ``PROFILE_TIME``, ``mpu``, ``deepspeed_checkpointing_enabled``. Here they are properties of this module
+# over the installed settings (settings.py), so reading one gives what ``configure`` decided and assigning
+# one changes what the next checkpointed call does, as there.
+_GLOBAL_FIELDS = {"PARTITION_ACTIVATIONS": "partition_activations",
+                  "CONTIGUOUS_CHECKPOINTING": "contiguous_checkpointing", "num_layers": "num_checkpoints",
+                  "CPU_CHECKPOINT": "checkpoint_in_cpu", "SYNCHRONIZE": "synchronize", "PROFILE_TIME": "profile"}
+
+
+def _settings_property(field: str) -> property:
+    return property(lambda mod: getattr(_settings.current(), field),
+                    lambda mod, value: _settings.override(**{field: value}))
+
+
+class _CheckpointingModule(types.ModuleType):
+    mpu = property(lambda mod: _settings._mpu, lambda mod, value: _settings.set_mpu(value))
+    deepspeed_checkpointing_enabled = property(lambda mod: _settings.is_configured(),
+                                               lambda mod, value: _settings.set_configured(value))
+
+
+for _name, _field in _GLOBAL_FIELDS.items():
+    setattr(_CheckpointingModule, _name, _settings_property(_field))
+sys.modules[__name__].__class__ = _CheckpointingModule
 
 __all__ = [
     "configure", "is_configured", "checkpoint", "non_reentrant_checkpoint", "reset", "CheckpointFunction",

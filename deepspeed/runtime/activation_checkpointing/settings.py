@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from deepspeed.config.base import parse_section
-from deepspeed.config.errors import DeepSpeedConfigError
+from deepspeed.config.errors import DeepSpeedConfigAssertionError, DeepSpeedConfigError
 from deepspeed.config.sections import ActivationCheckpointingSection
 
 _SECTION = "activation_checkpointing"
@@ -112,13 +112,15 @@ def resolve(deepspeed_config=None, partition_activations=None, contiguous_checkp
 
 
 def _validate(s: CheckpointSettings) -> None:
+    # Both are AssertionErrors too (DeepSpeedConfigAssertionError), as DeepSpeed's configure asserts them.
     if s.contiguous_checkpointing and s.num_checkpoints is None:
-        raise DeepSpeedConfigError(
+        raise DeepSpeedConfigAssertionError(
             "Contiguous activation checkpointing (contiguous_checkpointing / "
-            "activation_checkpointing.contiguous_memory_optimization) needs the number of checkpoints to size "
-            "its buffer: pass num_checkpoints=N or set activation_checkpointing.number_checkpoints")
+            "activation_checkpointing.contiguous_memory_optimization) needs the number of checkpoints (the number "
+            "of layers checkpointed per forward) to size its buffer: pass num_checkpoints=N or set "
+            "activation_checkpointing.number_checkpoints")
     if s.contiguous_checkpointing and not s.partition_activations:
-        raise DeepSpeedConfigError(
+        raise DeepSpeedConfigAssertionError(
             "Contiguous activation checkpointing (contiguous_checkpointing / "
             "activation_checkpointing.contiguous_memory_optimization) copies the partitioned activations into "
             "one buffer, so it requires partition_activations=True "
@@ -130,6 +132,23 @@ def apply(mpu_, settings: CheckpointSettings) -> None:
     global _settings, _mpu, _configured
     _check_mpu(mpu_)
     _settings, _mpu, _configured = settings, mpu_, True
+
+
+def override(**fields) -> None:
+    """Replace single fields of the installed settings (DeepSpeed's module globals are assigned
+    directly, e.g. ``deepspeed.checkpointing.PARTITION_ACTIVATIONS = False``; no validation, as there)."""
+    global _settings
+    _settings = replace(_settings, **fields)
+
+
+def set_mpu(mpu_) -> None:
+    global _mpu
+    _mpu = mpu_
+
+
+def set_configured(flag: bool) -> None:
+    global _configured
+    _configured = bool(flag)
 
 
 def _reset_settings() -> None:
