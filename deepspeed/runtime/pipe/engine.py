@@ -278,11 +278,12 @@ class PipelineEngine(DeepSpeedEngine):
         self.idle_time, self.compute_time, self.reduce_step_time = 0.0, 0.0, 0.0
         try:
             # the whole program first: the receives it holds are posted ahead (see P2P.plan)
-            cmds, timed, n_act, n_grad = self._program(sched)
+            cmds, timed, n_act, n_grad, waits_first = self._program(sched)
             methods = {}
             for cls in {type(cmd) for cmd in cmds}:
                 methods[cls] = self._method_for_class(cls)
-            self.p2p.plan({(self.p2p.prev, self.p2p.act_tag): n_act, (self.p2p.next, self.p2p.grad_tag): n_grad})
+            self.p2p.plan({(self.p2p.prev, self.p2p.act_tag): n_act, (self.p2p.next, self.p2p.grad_tag): n_grad},
+                          post_now=waits_first)
             for cmd, step_part in zip(cmds, timed):
                 if step_part:
                     t0 = time.perf_counter()
@@ -308,7 +309,9 @@ class PipelineEngine(DeepSpeedEngine):
 
     def _program(self, sched):
         """(instructions, per instruction: whether it is reduction/step time, number of
-        RecvActivation, number of RecvGrad) for ``sched``."""
+        RecvActivation, number of RecvGrad, whether a receive comes before the first compute)
+        for ``sched``. A stage that starts with a compute (the first stage) posts its receives
+        after its first send: posted before, they would delay that compute."""
         key = None
         if type(sched) in self._CACHED_SCHEDULES:
             key = (type(sched), sched.micro_batches, sched.stages, sched.stage_id, getattr(sched, "chunks", 1))
@@ -316,8 +319,11 @@ class PipelineEngine(DeepSpeedEngine):
             if hit is not None:
                 return hit
         cmds = [cmd for step in sched.steps() for cmd in step]
+        first = next((c for c in cmds if isinstance(c, (S.RecvActivation, S.RecvGrad, S.ForwardPass,
+                                                          S.BackwardPass))), None)
         program = (cmds, [isinstance(c, (S.ReduceTiedGrads, S.ReduceGrads, S.OptimizerStep)) for c in cmds],
-                   sum(isinstance(c, S.RecvActivation) for c in cmds), sum(isinstance(c, S.RecvGrad) for c in cmds))
+                   sum(isinstance(c, S.RecvActivation) for c in cmds), sum(isinstance(c, S.RecvGrad) for c in cmds),
+                   not isinstance(first, (S.ForwardPass, S.BackwardPass)))
         if key is not None:
             self._programs[key] = program
         return program

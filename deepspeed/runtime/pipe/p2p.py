@@ -28,10 +28,15 @@ non-blocking (``isend``) and completed by :meth:`P2P.wait_sends`; receives block
 peer stage. Boolean tensors travel as uint8.
 
 Over gloo the leads are posted ahead (:meth:`P2P.plan`): the sender's message goes out at once
-and lands while the receiver computes. Gloo's calls cost a thread hand-off each (tenths of a
-millisecond on a loaded host), so new receives are posted where the stage has just handed its
-own data on (after a send) or is about to wait anyway, not between a receive and the compute
-that needs it.
+and lands while the receiver computes. Gloo's calls cost a socket write that wakes the peer
+each (0.05-0.7 ms on this host, more under load), so new receives are posted where the stage
+has just handed its own data on (after a send) or is about to wait anyway, not between a receive
+and the compute that needs it, and not before the first stage's first forward. In 1F1B a stage's
+send is followed by the wait for its neighbour's message, so what its thread does between the end
+of a compute and the socket write, and between a receive's return and the next compute, is on the
+critical path: there the stage packs and calls ``ProcessGroup.send`` directly (not the
+``dist.isend`` wrapper), and reads the header through a NumPy view and the tensors through views
+made when the receive was posted (where the stage waits anyway).
 """
 from __future__ import annotations
 
@@ -106,6 +111,21 @@ def _unpack(buf: torch.Tensor, shapes) -> List[torch.Tensor]:
     return out
 
 
+class _Posted:
+    """A posted receive: ``lead`` (its buffer), ``header`` (the lead's first two int64s, a NumPy
+    view on CPU), ``views`` (the tensors of a SAME transfer, views into the lead, made when it
+    is posted) and ``work``."""
+
+    __slots__ = ("lead", "header", "views", "work")
+
+    def __init__(self, size: int, shapes, device, pg, src: int, tag: int):
+        self.lead = torch.empty(size, dtype=torch.uint8, device=device)
+        header = self.lead[:HDR_BYTES].view(torch.int64)
+        self.header = header.numpy() if self.lead.device.type == "cpu" else header
+        self.views = _unpack(self.lead, shapes) if shapes else []
+        self.work = pg.recv([self.lead], src, tag) if pg is not None else dist.irecv(self.lead, src, tag=tag)
+
+
 _ABANDONED: list = []   # receives left posted by a failed schedule: kept alive, never freed under gloo
 
 
@@ -157,6 +177,9 @@ class P2P:
         self.messages_sent = 0
         self.posted_ahead = 0        # receives that were posted before they were needed
         self.post_ahead = dist.is_initialized() and dist.get_backend() == "gloo"
+        # gloo: sends and receives call the default group directly (a global rank is its rank
+        # there), without dist.isend/irecv's wrapper
+        self._pg = dist.distributed_c10d._get_default_group() if self.post_ahead else None
         self._same = torch.tensor([SAME, 0], dtype=torch.int64, device=device).view(torch.uint8)
         # fresh tags per engine: messages left over by a failed engine (abort notices) can never
         # be read by a later one
@@ -167,7 +190,7 @@ class P2P:
     # ------------------------------------------------------------------ helpers
     def _isend(self, t: torch.Tensor, dst: int, tag: int):
         t = t.contiguous()
-        self._works.append((dist.isend(t, dst, tag=tag), t))
+        self._works.append((self._pg.send([t], dst, tag) if self._pg is not None else dist.isend(t, dst, tag=tag), t))
         self.bytes_sent += t.numel() * t.element_size()
         self.messages_sent += 1
 
@@ -189,9 +212,8 @@ class P2P:
     def _post(self, key, inb: _Inbound) -> None:
         """Post the lead of the channel's next unposted transfer (sized by the one LAG before)."""
         entry = inb.hist[len(inb.posted)]
-        lead = torch.empty(_packed_size(entry[0] if entry is not None else ()), dtype=torch.uint8,
-                           device=self.device)
-        inb.posted.append((lead, dist.irecv(lead, key[0], tag=key[1]), entry))
+        shapes = entry[0] if entry is not None else ()
+        inb.posted.append((_Posted(_packed_size(shapes), shapes, self.device, self._pg, key[0], key[1]), entry))
         if inb.todo > 0:
             inb.todo -= 1
 
@@ -223,11 +245,13 @@ class P2P:
         buf[:HDR_BYTES].view(torch.int64).copy_(torch.tensor([kind, n], dtype=torch.int64))
         return buf
 
-    def plan(self, receives: dict) -> None:
+    def plan(self, receives: dict, post_now: bool = True) -> None:
         """``{(peer, tag): n}``: the receives each channel will see in the coming schedule;
-        the first of each is posted now. Gloo only: NCCL runs the sends and receives between
-        two ranks in order on one stream, so a receive posted ahead of a send to the same
-        peer would hold that send back (the stages would wait on each other)."""
+        the first of each is posted now (``post_now``), or else by the stage's first send or
+        wait (a stage that starts with a compute: a post now would delay it). Gloo only: NCCL
+        runs the sends and receives between two ranks in order on one stream, so a receive
+        posted ahead of a send to the same peer would hold that send back (the stages would
+        wait on each other)."""
         self.abandon()
         if not self.post_ahead:
             return
@@ -235,10 +259,11 @@ class P2P:
             if n > 0 and key[0] is not None:
                 inb = self._in.setdefault(key, _Inbound())
                 inb.todo = n
-                self._post(key, inb)
+                if post_now:
+                    self._post(key, inb)
 
     def _take(self, key, what: str):
-        """The next transfer's lead on a channel: (kind, n, lead buffer, its size's history entry)."""
+        """The next transfer's lead on a channel: (kind, n, posted receive, its size's history entry)."""
         src, tag = key
         inb = self._in.setdefault(key, _Inbound())
         if inb.posted:
@@ -246,14 +271,14 @@ class P2P:
         else:
             self._post(key, inb)
         self._top_up()            # about to wait: post what is due now, not after the data is in
-        lead, work, entry = inb.posted.popleft()
-        self._wait(work, src, what)
-        kind, n = lead[:HDR_BYTES].view(torch.int64).tolist()
+        posted, entry = inb.posted.popleft()
+        self._wait(posted.work, src, what)
+        kind, n = int(posted.header[0]), int(posted.header[1])
         if kind == ABORT:
             text = self._recv(torch.zeros(n, dtype=torch.uint8, device=self.device), src, "abort message",
                               tag + EXTRAS)
             raise PipelineError(bytes(text.tolist()).decode("utf-8", "replace"), src)
-        return kind, n, lead, entry
+        return kind, n, posted, entry
 
     def abandon(self) -> None:
         """Forget receives posted ahead (after a failed schedule); gloo keeps their buffers."""
@@ -300,7 +325,7 @@ class P2P:
     def recv_tensors(self, src: int, what: str = "activations"):
         """The tensors sent (a tuple, or one tensor when a single tensor was sent)."""
         key = (src, self.act_tag)
-        kind, n, lead, entry = self._take(key, what)
+        kind, n, posted, entry = self._take(key, what)
         inb = self._in[key]
         if kind == NEW:
             if n:
@@ -318,7 +343,7 @@ class P2P:
                                 f"description; the stages are out of step.")
         else:
             shapes, descr = entry
-            data = _unpack(lead, shapes)
+            data = posted.views
         inb.descr = descr
         inb.hist.pop(0)
         inb.hist.append((shapes, descr))
@@ -339,7 +364,7 @@ class P2P:
 
     def recv_grads(self, like: Sequence[torch.Tensor], src: int) -> List[torch.Tensor]:
         key = (src, self.grad_tag)
-        kind, _, lead, entry = self._take(key, "gradients")
+        kind, _, posted, entry = self._take(key, "gradients")
         shapes = [(t.dtype, tuple(t.shape)) for t in like]
         if kind == NEW:
             data = [self._recv(torch.empty(shape, dtype=dtype, device=self.device), src, "gradients",
@@ -348,7 +373,7 @@ class P2P:
             raise PipelineError(f"pipeline stage {self.stage_id}: gradients from rank {src} do not match the "
                                 f"outputs they belong to; the stages are out of step.")
         else:
-            data = _unpack(lead, shapes)
+            data = posted.views
         inb = self._in[key]
         inb.hist.pop(0)
         inb.hist.append((shapes, None))
