@@ -422,13 +422,23 @@ def _alias_partitions(todo) -> list:
     rest = []
     for p in todo:
         part = p.ds_tensor
-        if (p._z3.comm.world_size == 1 and getattr(p._z3, "swapper", None) is None
+        d = p.__dict__
+        view = d.get("_z3_alias_view")
+        # the view made last time, while the partition is the same tensor over the same memory
+        # (a partition moved or replaced is checked again below)
+        if (view is not None and d.get("_z3_alias_src") is part and part.data_ptr() == view.data_ptr()
+                and part.untyped_storage().nbytes()):
+            p.data = view
+        elif (p._z3.comm.world_size == 1 and getattr(p._z3, "swapper", None) is None
                 and part.device == p._z3.device and part.numel() >= p.ds_numel and part.untyped_storage().nbytes()):
-            p.data = part[:p.ds_numel].view(p.ds_shape)
-            p._z3_alias = True
-            p.ds_status = ZeroParamStatus.AVAILABLE
+            view = part[:p.ds_numel].view(p.ds_shape)
+            p._z3_alias_view, p._z3_alias_src = view, part
+            p.data = view
         else:
             rest.append(p)
+            continue
+        p._z3_alias = True
+        p.ds_status = ZeroParamStatus.AVAILABLE
     return rest
 
 
