@@ -321,6 +321,31 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
             self.strategy.allreduce_gradients()
             self._unreduced_grads = False
 
+    @property
+    def gradient_average(self) -> bool:
+        """DeepSpeed's switch: True averages the data-parallel gradient reduction, False keeps the sum
+        (initially ``gradient_allreduce_op`` 'mean' / 'sum'). Assignable at ZeRO stage 0."""
+        bucketers = getattr(self.strategy, "bucketers", None)
+        if bucketers:
+            return bucketers[0].average
+        return self.config_obj.model.gradient_allreduce_op == "mean"
+
+    @gradient_average.setter
+    def gradient_average(self, value: bool) -> None:
+        bucketers = getattr(self.strategy, "bucketers", None)
+        if bucketers is None:
+            raise NotImplementedError(
+                f"engine.gradient_average can be assigned at ZeRO stage 0 only (this engine runs "
+                f"{type(self.strategy).__name__}); set gradient_allreduce_op ('mean' or 'sum') in the config")
+        for b in bucketers:
+            b.average = bool(value)
+
+    def all_gather_scalar(self, value: torch.Tensor, dp_group=None) -> list:
+        """DeepSpeed's helper: ``value`` from every rank of ``dp_group`` (a list, in group-rank order)."""
+        out = [torch.zeros_like(value) for _ in range(dist.get_world_size(group=dp_group))]
+        dist.all_gather(out, value.contiguous(), group=dp_group)
+        return out
+
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
@@ -424,7 +449,7 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
     def get_lr(self):
         if self.optimizer is None:
             return []
-        return [g["lr"] for g in self.optimizer.param_groups]
+        return [g.get("lr", 0.0) for g in self.optimizer.param_groups]   # DeepSpeed: 0.0 for a group without lr
 
     def get_mom(self):
         if self.optimizer is None:

@@ -19,6 +19,7 @@ def local_grad_sq_norm(grads: List[torch.Tensor]) -> torch.Tensor:
     """Sum of squares of ``grads`` as a float64 scalar, computed with foreach kernels."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
+    grads = [g.coalesce().values() if g.is_sparse else g for g in grads]   # sparse embedding gradients
     norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2.0)
     return torch.stack(norms).double().pow(2).sum()
 

@@ -311,6 +311,43 @@ def _body(rank, ws, out_dir):
     from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
     parts = reduce_scatter_coalesced([torch.arange(3.) * (rank + 1), torch.full((1,), rank + 1.)])
     out["rsc"] = [p.tolist() for p in parts]
+
+    # sparse embedding gradients at stage 0 (sparse_gradients): reduced, kept sparse for SparseAdam, averaged
+    # or summed per engine.gradient_average; a client optimizer whose groups have no 'lr' logs lr 0.0
+    torch.manual_seed(0)
+    emb = torch.nn.Sequential(torch.nn.Embedding(6, 2, sparse=True), torch.nn.Flatten(), torch.nn.Linear(4, 1))
+    ref_emb = {n: t.clone() for n, t in emb.state_dict().items()}
+
+    class _NoLr(torch.optim.Optimizer):   # as DeepSpeed's test optimizer: SGD + SparseAdam under defaults={}
+        def __init__(self):
+            super().__init__(list(emb.parameters()), defaults={})
+            self.dense, self.sparse = torch.optim.SGD(list(emb[2].parameters()), lr=0.1), \
+                torch.optim.SparseAdam(list(emb[0].parameters()), lr=0.1)
+
+        def step(self, closure=None):
+            self.dense.step()
+            self.sparse.step()
+
+    e3, _, _, _ = deepspeed.initialize(model=emb, optimizer=_NoLr(), config={
+        "train_batch_size": ws, "steps_per_print": 1, "sparse_gradients": True})
+    ids = [torch.tensor([[1, 3]]), torch.tensor([[3, 4]])]
+    sums = {}
+    for average in (True, False):
+        e3.gradient_average = average
+        e3.zero_grad()
+        e3.backward(e3(ids[rank]).sum())
+        sums[average] = {n: (p.grad.is_sparse, p.grad.to_dense().clone()) for n, p in e3.module.named_parameters()}
+    e3.step()
+    out["sparse_grad"] = {}
+    for average in (True, False):
+        ref = torch.nn.Sequential(torch.nn.Embedding(6, 2), torch.nn.Flatten(), torch.nn.Linear(4, 1))
+        ref.load_state_dict(ref_emb)
+        sum(ref(i).sum() for i in ids).backward()     # plain PyTorch on both ranks' batches: the SUM
+        div = ws if average else 1
+        out["sparse_grad"][average] = (
+            sums[average]["0.weight"][0],
+            max((sums[average][n][1] - p.grad / div).abs().max().item() for n, p in ref.named_parameters()))
+    out["gathered"] = [t.item() for t in e3.all_gather_scalar(torch.tensor(float(rank + 7)))]
     return out
 
 
@@ -331,6 +368,10 @@ def test_deepspeed_unit_test_causes_on_two_ranks(tmp_path):
         assert r["overflow"] == (True, True)
         assert r["both_ranks_convert"][0] and r["both_ranks_convert"][1] < 1e-6   # no temp files left, values
     assert r0["rsc"] == [[0.0, 1.5], [1.5]] and r1["rsc"] == [[3.0], []]
+    for r in (r0, r1):
+        assert r["sparse_grad"][True][0] and r["sparse_grad"][True][1] < 1e-6, r["sparse_grad"]     # mean
+        assert r["sparse_grad"][False][1] < 1e-6, r["sparse_grad"]                                 # sum
+        assert r["gathered"] == [7.0, 8.0]
     assert r0["tied_one_tensor"] and r0["fp32_err"] < 1e-6
     n, first, names_ok, values_ok = r0["shards"]
     assert n > 1 and first == f"pytorch_model-00001-of-{n:05d}.bin" and names_ok and values_ok
@@ -467,3 +508,20 @@ def test_checkpointing_module_globals_are_the_configuration():
         assert cp.deepspeed_checkpointing_enabled is False   # refused before anything was installed
     finally:
         settings._reset_settings()
+
+
+def test_sparse_tensor_rows():
+    """deepspeed.runtime.sparse_tensor.SparseTensor: the non-zero rows of a dense tensor or the rows of a
+    row-sparse COO tensor; add() appends, to_dense() sums rows named twice (reference: dense arithmetic)."""
+    from deepspeed.runtime.sparse_tensor import SparseTensor
+    x = torch.zeros(5, 3)
+    x[1], x[3] = torch.tensor([1., -1., 0.]), torch.tensor([2., 0., 5.])   # row 1 sums to 0 but is not zero
+    sx = SparseTensor(x)
+    assert sx.indices.tolist() == [1, 3] and torch.equal(sx.to_dense(), x)
+    y = torch.zeros(5, 3)
+    y[3], y[4] = 1.0, 2.0
+    sx.add(SparseTensor(y.to_sparse(1)))
+    assert torch.equal(sx.to_dense(), x + y) and torch.equal(sx.to_coo_tensor().to_dense(), x + y)
+    assert sx.sparse_size() == (4 + 12, 15) and SparseTensor.type() == "deepspeed.SparseTensor"
+    with pytest.raises(ValueError, match="dense sizes differ"):
+        sx.add(SparseTensor(torch.ones(2, 3)))

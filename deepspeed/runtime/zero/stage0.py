@@ -69,9 +69,8 @@ class GradientBucketer:
         self.group = group
         self.world_size = world_size
         self.overlap = overlap
-        self.average = average
-        self.prescale = prescale if average else False
-        self.predivide = predivide if average else 1.0
+        self._prescale, self._predivide = prescale, predivide
+        self.average = average      # assignable (DeepSpeed's engine.gradient_average): the next reduction
         self.dtype = dtype
         self.buckets: list[_Bucket] = []
         cur, cur_n = [], 0
@@ -87,6 +86,14 @@ class GradientBucketer:
         self._next = 0
         self.launches = 0          # all-reduce launches since construction (tests count them)
         self.armed = False
+
+    @property
+    def prescale(self) -> bool:      # pre-division applies to averaging only
+        return self._prescale if self.average else False
+
+    @property
+    def predivide(self) -> float:
+        return self._predivide if self.average else 1.0
 
     # -- called from backward hooks -----------------------------------------------
     def mark_ready(self, p) -> None:
@@ -107,7 +114,8 @@ class GradientBucketer:
     def _launch(self, b: _Bucket):
         grads = []
         for p in b.params:
-            grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            grads.append(g.to_dense() if g.is_sparse else g)   # sparse (embedding) gradients: reduced dense
         dtype = self.dtype or grads[0].dtype
         flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
         pre = self.predivide if self.prescale or self.predivide != 1.0 else 1.0
@@ -137,6 +145,8 @@ class GradientBucketer:
                 src = b.buffer[off:off + p.numel()].view_as(p)
                 if p.grad is None:
                     p.grad = src.to(p.dtype).clone()
+                elif p.grad.is_sparse:   # stays sparse for its optimizer (e.g. SparseAdam): the rows any rank had
+                    p.grad = src.to(p.dtype).to_sparse(p.grad.sparse_dim())
                 else:
                     p.grad.copy_(src)
             b.buffer = None
