@@ -195,8 +195,6 @@ KNOWN = [
     (r"test_zero_hook_attribute_delegation\.py", "deviation",
      "pins the attributes DeepSpeed's ZeRO-3 hooks leave on each module (pre_bwd_fn, applied_pre_backward_ref_cnt)"),
     # features with their own open issue, or outside this package
-    (r"ZeROOrderedDict", "remaining", "ZeRO-3 parameter access outside the module (issue 31 item 2, "
-     "parameter_offload.py: another owner)"),
     (r"deepspeed\.runtime\.zero\.tiling", "out_of_scope", "TiledLinear is not built"),
     (r"deepspeed\.utils\.pin_memory", "out_of_scope", "DeepSpeed's native pinned-memory manager (compiled op) is "
      "not built"),
@@ -220,11 +218,6 @@ KNOWN += [
      "zero_optimization.zenflow key is refused before the gradient_allreduce_op check"),
     (r"test_sum_gradient_allreduce_rejects_deepcompile", "out_of_scope", "DeepCompile (own open issue): the "
      "compile section is refused before the gradient_allreduce_op check"),
-    (r"test_zero_late_module_attach\.py", "remaining", "a module attached after initialize keeps a plain "
-     "_parameters dict: the ZeRO-3 pre-forward should convert it to a ZeROOrderedDict (parameter_offload.py: "
-     "another owner)"),
-    (r"has no attribute '_get_norm_groups'", "remaining", "ZeRO-3 optimizer's per-group gradient norms "
-     "(_get_norm_groups): stage3.py is being rewritten by the lead; the method is specified in the report"),
     (r"Post-clip norm should be < pre-clip norm for param",
      "out_of_scope", "flaky upstream: SimpleModel is built from an unseeded RNG (a different model in every process), "
      "and 'post-clip norm < pre-clip norm' holds only when some gradient element exceeds clip_value; a parameter whose "

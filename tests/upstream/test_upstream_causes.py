@@ -525,3 +525,21 @@ def test_sparse_tensor_rows():
     assert sx.sparse_size() == (4 + 12, 15) and SparseTensor.type() == "deepspeed.SparseTensor"
     with pytest.raises(ValueError, match="dense sizes differ"):
         sx.add(SparseTensor(torch.ones(2, 3)))
+
+
+def test_reentrant_checkpoint_takes_keyword_arguments():
+    """DeepSpeed 0.19's checkpoint(function, *args, **kwargs): keyword arguments reach the function and a
+    tensor passed by keyword gets its gradient (reference: the same function without checkpointing)."""
+    import deepspeed
+
+    def function(value, *, scale, offset):
+        return value * scale + offset
+
+    torch.manual_seed(0)
+    value, scale = torch.randn(5, requires_grad=True), torch.randn(5, requires_grad=True)
+    ref_value, ref_scale = value.detach().clone().requires_grad_(), scale.detach().clone().requires_grad_()
+    function(ref_value, scale=ref_scale, offset=1.5).sum().backward()
+    out = deepspeed.checkpointing.checkpoint(function, value, scale=scale, offset=1.5)
+    out.sum().backward()
+    assert torch.equal(out, function(ref_value, scale=ref_scale, offset=1.5))
+    assert torch.equal(value.grad, ref_value.grad) and torch.equal(scale.grad, ref_scale.grad)

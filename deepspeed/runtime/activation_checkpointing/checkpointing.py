@@ -219,17 +219,23 @@ def checkpoint(function, *args, use_reentrant: bool = True, **kwargs):
     """Checkpoint ``function(*args)`` (documented API; reentrant unless ``use_reentrant=False``).
 
     Non-tensor arguments pass through; outputs may be a tensor or a tuple mixing
-    tensors (with or without grad) and other objects. Keyword arguments for
-    ``function`` need ``use_reentrant=False``.
+    tensors (with or without grad) and other objects. Keyword arguments are passed to
+    ``function`` (tensors among them get gradients, in both modes).
     """
     if not callable(function):
         raise TypeError(f"deepspeed.checkpointing.checkpoint: function must be callable, got {function!r}")
     if not use_reentrant:
         return non_reentrant_checkpoint(function, *args, **kwargs)
     if kwargs:
-        raise TypeError(f"deepspeed.checkpointing.checkpoint got keyword arguments {sorted(kwargs)}; the reentrant "
-                        "mode takes positional arguments only. Pass them positionally, or use "
-                        "use_reentrant=False to forward keyword arguments to the function.")
+        # As DeepSpeed 0.19: keyword arguments travel as trailing positional inputs of the Function (a tensor
+        # passed by keyword gets its gradient like a positional one) and are handed back by name.
+        names, n_pos, inner = tuple(kwargs), len(args), function
+
+        def function(*all_args):
+            return inner(*all_args[:n_pos], **dict(zip(names, all_args[n_pos:])))
+
+        function.__qualname__ = _fn_name(inner)
+        args = args + tuple(kwargs.values())
     if not torch.is_grad_enabled():
         # Nothing will run backward: no need to keep inputs or claim buffers.
         cfg = _settings.current()
