@@ -543,3 +543,20 @@ def test_reentrant_checkpoint_takes_keyword_arguments():
     out.sum().backward()
     assert torch.equal(out, function(ref_value, scale=ref_scale, offset=1.5))
     assert torch.equal(value.grad, ref_value.grad) and torch.equal(scale.grad, ref_scale.grad)
+
+
+def test_zero_init_refuses_a_one_rank_group_under_a_multi_process_launcher(monkeypatch):
+    """DeepSpeed 0.19: zero.Init raises when the launcher says WORLD_SIZE > 1 but the resolved group has one
+    rank (nothing would be partitioned); an explicit group, WORLD_SIZE 1/absent/unreadable pass."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import _contradicting_single_rank_pg_error as check
+    assert "WORLD_SIZE=8" in check(1, None, {"WORLD_SIZE": "8"}) and "init_distributed" in check(1, None,
+                                                                                                 {"WORLD_SIZE": "8"})
+    assert [check(1, None, env) for env in ({"WORLD_SIZE": "1"}, {}, {"WORLD_SIZE": ""}, {"WORLD_SIZE": "x"},
+                                            {"WORLD_SIZE": None})] == [None] * 5
+    assert check(8, None, {"WORLD_SIZE": "8"}) is None and check(1, object(), {"WORLD_SIZE": "8"}) is None
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for k in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=4"):
+        deepspeed.zero.Init(config_dict_or_path={"train_batch_size": 1, "zero_optimization": {"stage": 3}})

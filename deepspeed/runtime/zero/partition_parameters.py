@@ -229,6 +229,29 @@ def _unpatch():
         _orig_apply = None
 
 
+def _contradicting_single_rank_pg_error(dp_world_size, explicit_process_group, env=None):
+    """The error message for zero.Init resolving a one-rank group while the launcher started several
+    processes (``WORLD_SIZE`` > 1 in ``env``, default ``os.environ``), else None. That happens when
+    something initialized a one-process group before zero.Init (e.g. ``from_pretrained`` ahead of
+    ``deepspeed.init_distributed()``): nothing would be partitioned and every rank would build the
+    whole model. A group the caller passed explicitly is taken as meant; an unreadable WORLD_SIZE is
+    ignored (DeepSpeed 0.19's check)."""
+    if dp_world_size != 1 or explicit_process_group is not None:
+        return None
+    env = os.environ if env is None else env
+    try:
+        launched = int(env.get("WORLD_SIZE") or 0)
+    except (TypeError, ValueError):
+        return None
+    if launched <= 1:
+        return None
+    return (f"zero.Init: the process group has 1 rank but the launcher set WORLD_SIZE={launched}, so the "
+            "parameters would not be partitioned (every rank would hold the whole model). A one-process group "
+            "was probably initialized before zero.Init (e.g. a model's from_pretrained ran before "
+            "deepspeed.init_distributed()): call deepspeed.init_distributed() first, or pass "
+            "data_parallel_group= if a one-rank group is intended.")
+
+
 class Init:
     """Construct modules already partitioned across the data-parallel group.
 
@@ -264,6 +287,10 @@ class Init:
             data_parallel_group = mpu.get_data_parallel_group()
         if data_parallel_group is None and sequence_data_parallel_group is not None:
             data_parallel_group = sequence_data_parallel_group
+        contradiction = _contradicting_single_rank_pg_error(
+            dist.get_world_size(data_parallel_group) if dist.is_initialized() else 1, data_parallel_group)
+        if contradiction is not None:
+            raise RuntimeError(contradiction)
         self.dtype = dtype if dtype is not None else (torch.float16 if fp16 else torch.bfloat16 if bf16 else None)
         off_dev = zero.offload_param_device if zero is not None else "none"
         if remote_device in (None, "none"):
