@@ -54,3 +54,17 @@ def reference_train(model, opt, batches, clip=0.0, scheduler=None):
         if scheduler is not None:
             scheduler.step()
     return model
+
+
+def full_weights(engine):
+    """The engine's parameters as full fp32 copies, at any ZeRO stage (gathered at stage 3)."""
+    import deepspeed
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):   # no-op below stage 3
+        return [p.detach().float().clone() for p in params]
+
+
+def row_batches(n, seed=1, rows=4, d_in=4, d_out=2):
+    """``n`` global micro-batches of ``rows`` (x, y) rows (rank r of 2 trains on rows [2r, 2r + 2))."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, d_in, generator=g), torch.randn(rows, d_out, generator=g)) for _ in range(n)]

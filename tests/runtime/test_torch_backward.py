@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.models import full_weights, row_batches
 
 GAS = 2
 LR = 0.1
@@ -33,10 +34,7 @@ def _model(seed=0):
     return _Net()
 
 
-def _batches(n, seed=1):
-    """``n`` global micro-batches of 4 samples: rank r trains on rows [2r, 2r + 2)."""
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)) for _ in range(n)]
+_batches = row_batches   # n global micro-batches of 4 rows: rank r trains on rows [2r, 2r + 2)
 
 
 class _Box:
@@ -56,11 +54,6 @@ def _engine(stage, gas=GAS, fp16=False, seed=0, extra=None):
     return engine
 
 
-def _weights(engine):
-    import deepspeed
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params):   # no-op below stage 3
-        return [p.detach().float().clone() for p in params]
 
 
 def _reference(batches, gas, seed=0, scale=1.0):
@@ -89,7 +82,7 @@ def _train(engine, batches, rank, how):
         else:
             loss.backward()
         engine.step()
-    return _weights(engine)
+    return full_weights(engine)
 
 
 def _body(rank, world_size):
@@ -135,7 +128,7 @@ def _body(rank, world_size):
                     e._backward_epilogue()
             for e in engines:
                 e.step()
-        out[("shared", route)] = [_weights(e) for e in engines]
+        out[("shared", route)] = [full_weights(e) for e in engines]
         for e in engines:
             e.destroy()
     # 4. coalesce_grad_reduction: three backward passes, one reduction, same weights
@@ -156,7 +149,7 @@ def _body(rank, world_size):
                         out[("inside", stage, i)] = counter() - start
             out[("launches", stage, coalesce)] = counter() - start
             e.step()
-            out[("coalesce", stage, coalesce)] = _weights(e)
+            out[("coalesce", stage, coalesce)] = full_weights(e)
             e.destroy()
     # 5. outputs dropped without a backward free their graph (saved activations included): the
     #    hooks hold nothing that keeps it alive. Reference: the same forward through engine.module.

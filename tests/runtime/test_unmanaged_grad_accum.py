@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.models import full_weights, row_batches
 
 GAS = 4          # the configured value; the windows below run 1, 2 or 3 backward passes
 LR = 0.1
@@ -32,10 +33,7 @@ def _model(seed=0):
     return _Net()
 
 
-def _batches(n, seed=1):
-    """``n`` global micro-batches of 4 rows: rank r trains on rows [2r, 2r + 2)."""
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)) for _ in range(n)]
+_batches = row_batches   # n global micro-batches of 4 rows: rank r trains on rows [2r, 2r + 2)
 
 
 def _rows(t, rank):
@@ -56,11 +54,6 @@ def _engine(cfg, seed=0):
     return engine
 
 
-def _weights(engine):
-    import deepspeed
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params):   # no-op below stage 3
-        return [p.detach().float().clone() for p in params]
 
 
 # A window: (number of backward passes, how): "manual" = engine.backward(loss / n, scale_wrt_gas=False),
@@ -110,7 +103,7 @@ def _run_windows(engine, batches, windows, rank, out, key):
         engine.step()
         info.append(("applied", engine.was_step_applied(), engine.global_steps, engine.global_samples))
     out[key] = info
-    return _weights(engine)
+    return full_weights(engine)
 
 
 def _body(rank, world_size):
@@ -135,7 +128,7 @@ def _body(rank, world_size):
         out[("launches_in_backward", stage)] = launches() - before
         e.step()
         out[("launches_in_step", stage)] = launches() - before
-        out[("one_step", stage)] = _weights(e)
+        out[("one_step", stage)] = full_weights(e)
         e.destroy()
     out["local_ref"] = _local_grads(0, _rows(x, rank), _rows(y, rank), GAS)
     # 2b. (managed) ZeRO-2 inside coalesce_grad_reduction / no_sync: safe_get_full_grad is the local,
@@ -278,7 +271,7 @@ def _slow_body(rank, world_size):
                         e.step()
                 if not managed:
                     e.step()
-            out[(i, managed)] = _weights(e)
+            out[(i, managed)] = full_weights(e)
             out[(i, managed, "steps")] = (e.global_steps, e.global_samples)
             e.destroy()
     for dtype in ("bf16", "fp16"):
@@ -296,7 +289,7 @@ def _slow_body(rank, world_size):
                             e.step()
                     if not managed:
                         e.step()
-                out[(dtype, stage, managed)] = _weights(e)
+                out[(dtype, stage, managed)] = full_weights(e)
                 e.destroy()
     return out, len(cases)
 
