@@ -179,7 +179,7 @@ class P2P:
         self.post_ahead = dist.is_initialized() and dist.get_backend() == "gloo"
         # gloo: sends and receives call the default group directly (a global rank is its rank
         # there), without dist.isend/irecv's wrapper
-        self._pg = dist.distributed_c10d._get_default_group() if self.post_ahead else None
+        self._pg = dist.group.WORLD if self.post_ahead else None
         self._same = torch.tensor([SAME, 0], dtype=torch.int64, device=device).view(torch.uint8)
         # fresh tags per engine: messages left over by a failed engine (abort notices) can never
         # be read by a later one
