@@ -195,12 +195,15 @@ KNOWN = [
     (r"test_zero_hook_attribute_delegation\.py", "deviation",
      "pins the attributes DeepSpeed's ZeRO-3 hooks leave on each module (pre_bwd_fn, applied_pre_backward_ref_cnt)"),
     # features with their own open issue, or outside this package
-    (r"deepspeed\.runtime\.zero\.tiling", "out_of_scope", "TiledLinear is not built"),
     (r"deepspeed\.utils\.pin_memory", "out_of_scope", "DeepSpeed's native pinned-memory manager (compiled op) is "
      "not built"),
     (r"ds_to_universal|AUTOEP|autoep", "out_of_scope", "offline ds_to_universal conversion / AutoEP metadata "
      "(our checkpoints are universal natively; AutoEP has its own issue)"),
     (r"Tutel is not installed|TUTEL", "out_of_scope", "Tutel is not used"),
+    (r"test_reshape_checkpoint\.py", "out_of_scope", "the module imports ds_to_universal's private AutoEP helper "
+     "(_aggregate_autoep_zero12_metadata), ZeROCheckpoint and engine._checkpoint_parallel_metadata (offline "
+     "ds_to_universal conversion / AutoEP, own issue); its reshape maps (model_3d_desc) are checked in "
+     "tests/upstream/test_upstream_causes.py"),
 ]
 # real gaps found and not closed in this pass (kept here so the tables say so; not deviations)
 KNOWN += [

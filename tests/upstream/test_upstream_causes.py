@@ -560,3 +560,35 @@ def test_zero_init_refuses_a_one_rank_group_under_a_multi_process_launcher(monke
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(RuntimeError, match="WORLD_SIZE=4"):
         deepspeed.zero.Init(config_dict_or_path={"train_batch_size": 1, "zero_optimization": {"stage": 3}})
+
+
+def test_tiled_linear_is_the_linear_it_was_cut_from():
+    """deepspeed.runtime.zero.tiling.TiledLinear: tiles hold the blocks of the source weight (bias on each
+    row's last tile) and the forward (and its gradient) equals the source nn.Linear's."""
+    from deepspeed.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias
+    torch.manual_seed(0)
+    base = torch.nn.Linear(7, 5)
+    tiled = TiledLinear(7, 5, in_splits=3, out_splits=2, init_linear=base)
+    assert (tiled.in_parts, tiled.out_parts) == ([0, 3, 5, 7], [0, 3, 5])
+    assert torch.equal(tiled.linears[1][2].weight, base.weight[3:5, 5:7]) and tiled.linears[1][0].bias is None
+    x = torch.randn(4, 7, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    out = tiled(x)
+    ref = base(xr)
+    assert torch.allclose(out, ref, atol=1e-6)
+    out.sum().backward()
+    ref.sum().backward()
+    assert torch.allclose(x.grad, xr.grad, atol=1e-6)
+    parts = TiledLinear(7, 5, in_splits=3, out_splits=2, init_linear=base, combine_out_splits=False)(x)
+    assert [tuple(p.shape) for p in parts] == [(4, 3), (4, 2)]
+    for bad in (0, 8):
+        with pytest.raises(RuntimeError, match="in splits"):
+            TiledLinear(7, 5, in_splits=bad)
+
+    class _ReturnsBias(torch.nn.Linear):   # Megatron-style: (x @ W.T, bias)
+        def forward(self, inp):
+            return torch.nn.functional.linear(inp, self.weight), self.bias
+
+    tb = TiledLinearReturnBias(7, 5, in_splits=2, out_splits=2, linear_cls=_ReturnsBias, init_linear=base)
+    t, b = tb(x.detach())
+    assert torch.allclose(t + b, base(x.detach()), atol=1e-6) and torch.equal(b, base.bias)
