@@ -208,6 +208,10 @@ class ZeroSection(DSConfigModel):
         if self.stage3_gather_fp16_weights_on_model_save is not None:
             object.__setattr__(self, "gather_16bit_weights_on_model_save",
                                bool(self.stage3_gather_fp16_weights_on_model_save))
+        if self.stage == 3 and self.elastic_checkpoint:   # as DeepSpeed 0.19 (its field says so too)
+            from ..utils.logging import logger
+            logger.warning("zero_optimization.elastic_checkpoint: ZeRO-3 elastic checkpointing is deprecated and "
+                           "ignored; checkpoints here load at any data-parallel size (universal checkpointing).")
         for key in ("zero_quantized_weights", "zero_quantized_gradients"):   # ZeRO++ (runtime/zero/zeropp.py)
             if getattr(self, key) and self.stage != 3:
                 raise ValueError(f"zero_optimization.{key} (ZeRO++) quantizes ZeRO stage 3's collectives; it needs "

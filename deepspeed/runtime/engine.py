@@ -340,6 +340,16 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
         for b in bucketers:
             b.average = bool(value)
 
+    def _change_recovery_script_permissions(self, dst: str) -> None:
+        """Make the ``zero_to_fp32.py`` copied beside a checkpoint executable (DeepSpeed's helper); where
+        permissions cannot be changed (a missing file, a file share that refuses chmod) log it and go on."""
+        import os
+        import stat
+        try:
+            os.chmod(dst, os.stat(dst).st_mode | stat.S_IEXEC)
+        except (FileNotFoundError, PermissionError) as err:
+            logger.info(f"Could not change the permissions of {dst} ({err}); continuing without changing them.")
+
     def all_gather_scalar(self, value: torch.Tensor, dp_group=None) -> list:
         """DeepSpeed's helper: ``value`` from every rank of ``dp_group`` (a list, in group-rank order)."""
         out = [torch.zeros_like(value) for _ in range(dist.get_world_size(group=dp_group))]

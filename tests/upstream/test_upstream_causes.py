@@ -592,3 +592,27 @@ def test_tiled_linear_is_the_linear_it_was_cut_from():
     tb = TiledLinearReturnBias(7, 5, in_splits=2, out_splits=2, linear_cls=_ReturnsBias, init_linear=base)
     t, b = tb(x.detach())
     assert torch.allclose(t + b, base(x.detach()), atol=1e-6) and torch.equal(b, base.bias)
+
+
+def test_zero3_elastic_checkpoint_warns_and_recovery_script_permissions(tmp_path, monkeypatch):
+    """DeepSpeed 0.19: ZeRO-3 with elastic_checkpoint warns that it is deprecated; the engine's
+    _change_recovery_script_permissions makes the script executable, and only logs when it cannot."""
+    import stat
+
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    warned, infos = [], []
+    monkeypatch.setattr(deepspeed.utils.logger, "warning", lambda m, *a, **k: warned.append(str(m)))
+    monkeypatch.setattr(deepspeed.utils.logger, "info", lambda m, *a, **k: infos.append(str(m)))
+    DeepSpeedZeroConfig(stage=2, elastic_checkpoint=True)
+    assert warned == []
+    DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
+    assert any("elastic checkpointing is deprecated" in m.lower() for m in warned)
+    script = tmp_path / "zero_to_fp32.py"
+    script.write_text("print()\n")
+    script.chmod(0o644)
+    DeepSpeedEngine._change_recovery_script_permissions(None, str(script))
+    assert script.stat().st_mode & stat.S_IXUSR and infos == []
+    DeepSpeedEngine._change_recovery_script_permissions(None, str(tmp_path / "missing.py"))
+    assert len(infos) == 1 and "missing.py" in infos[0]
