@@ -616,3 +616,33 @@ def test_zero3_elastic_checkpoint_warns_and_recovery_script_permissions(tmp_path
     assert script.stat().st_mode & stat.S_IXUSR and infos == []
     DeepSpeedEngine._change_recovery_script_permissions(None, str(tmp_path / "missing.py"))
     assert len(infos) == 1 and "missing.py" in infos[0]
+
+
+def test_zero3_linear_function_matches_f_linear():
+    """deepspeed.runtime.zero.linear: zero3_linear_wrap / LinearFunctionForZeroStage3 give F.linear's value and
+    gradients (batched and unbatched), the forward's autocast dtype with fp32 gradients, and work under
+    torch.func.vmap and grad_and_value."""
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3, zero3_linear_wrap
+    torch.manual_seed(0)
+    for shape in ((3, 2, 6), (6,)):
+        w, b, x = torch.randn(4, 6, requires_grad=True), torch.randn(4, requires_grad=True), \
+            torch.randn(*shape, requires_grad=True)
+        rw, rb, rx = (t.detach().clone().requires_grad_() for t in (w, b, x))
+        out, ref = zero3_linear_wrap(x, w, b), F.linear(rx, rw, rb)
+        (out * torch.arange(4.)).sum().backward()
+        (ref * torch.arange(4.)).sum().backward()
+        assert torch.allclose(out, ref) and all(torch.allclose(a.grad, r.grad, atol=1e-6)
+                                                for a, r in ((w, rw), (b, rb), (x, rx)))
+    w, x = torch.randn(4, 6, requires_grad=True), torch.randn(2, 6, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = zero3_linear_wrap(x, w)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and w.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    assert torch.allclose(w.grad, torch.ones(2, 4).t() @ x.detach(), atol=0.05)
+    xs = torch.randn(3, 6)
+    wd = w.detach()
+    assert torch.allclose(torch.func.vmap(lambda xi: LinearFunctionForZeroStage3.apply(xi, wd).sum())(xs),
+                          (xs @ wd.t()).sum(-1), atol=1e-5)
+    g, v = torch.func.grad_and_value(lambda ww: zero3_linear_wrap(xs, ww).sum())(wd)
+    assert torch.allclose(g, torch.ones(3, 4).t() @ xs, atol=1e-5) and torch.allclose(v, (xs @ wd.t()).sum())
