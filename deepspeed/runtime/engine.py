@@ -58,6 +58,8 @@ def _normalize_param_groups(model, model_parameters):
 class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMethods, torch.nn.Module):
     """Wraps a model for training as configured. See ``deepspeed.initialize``."""
 
+    inside_no_sync_ctxt = False   # DeepSpeed's flag: True inside engine.no_sync()
+
     def __init__(self, args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                  lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                  config_class: Optional[DeepSpeedConfig] = None, dont_change_device=False):
@@ -379,6 +381,9 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
         managed = self.config_obj.managed_gradient_accumulation
         if not managed:   # every step() is the boundary: reduce what the window left local
             unmanaged.open_step(self)
+        if self.inside_no_sync_ctxt:   # as DeepSpeed: the update would apply gradients never reduced
+            raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager: leave the "
+                                 "engine.no_sync() block first (the gradients inside it are not reduced)")
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
@@ -433,8 +438,14 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
         """Accumulate local gradients without reducing them (manual accumulation)."""
         if self._torch_backward.coalescing:
             self._refuse_inside_coalesce("engine.no_sync()")
-        with self.strategy.no_sync():
-            yield
+        if self.inside_no_sync_ctxt:   # DeepSpeed's AssertionError
+            raise AssertionError("no_sync context manager reentry is unsupported: engine.no_sync() is already active")
+        self.inside_no_sync_ctxt = True
+        try:
+            with self.strategy.no_sync():
+                yield
+        finally:
+            self.inside_no_sync_ctxt = False
 
     def train(self, mode: bool = True):
         super().train(mode)

@@ -258,7 +258,9 @@ KNOWN += [
      "a client optimizer with ZeRO-Offload is accepted (its update runs on the host); DeepSpeed raises "
      "ZeRORuntimeException unless zero_force_ds_cpu_optimizer is false (Hugging Face Trainer hits that)"),
     (r"deepspeed\.runtime\.zero\.offload_states", "out_of_scope",
-     "engine.offload_states/reload_states (moving ZeRO state to the host between RLHF phases) is not built"),
+     "engine.offload_states/reload_states (moving ZeRO state to the host between RLHF phases) is not built; on CPU "
+     "the module fails on the real DeepSpeed 0.19.6 too (its 'allocated memory should decrease' assertions: 17 of "
+     "17 run failed, 2026-11-28)"),
     (r"test_overlap_comm_record_stream\.py|IPGBucket", "deviation",
      "pins stage_1_and_2 internals (IPGBucket, CUDA-stream record_stream, a module-level get_accelerator)"),
     (r"accumulated_grads_in_cpu", "deviation", "pins ZeRO-Offload's CPU accumulation buffer attribute"),

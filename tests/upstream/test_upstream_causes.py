@@ -646,3 +646,27 @@ def test_zero3_linear_function_matches_f_linear():
                           (xs @ wd.t()).sum(-1), atol=1e-5)
     g, v = torch.func.grad_and_value(lambda ww: zero3_linear_wrap(xs, ww).sum())(wd)
     assert torch.allclose(g, torch.ones(3, 4).t() @ xs, atol=1e-5) and torch.allclose(v, (xs @ wd.t()).sum())
+
+
+def test_no_sync_refuses_reentry_and_step_inside():
+    """DeepSpeed: engine.step() inside no_sync() and a nested no_sync() are AssertionErrors; the flag
+    inside_no_sync_ctxt is set inside and cleared after (also after an exception)."""
+    import deepspeed
+    lin = torch.nn.Linear(2, 1)
+    eng, _, _, _ = deepspeed.initialize(model=lin, config={"train_micro_batch_size_per_gpu": 1,
+                                        "gradient_clipping": 0.0,
+                                        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    assert eng.inside_no_sync_ctxt is False
+    with eng.no_sync():
+        assert eng.inside_no_sync_ctxt is True
+        eng.backward(eng(torch.ones(1, 2)).sum())
+        with pytest.raises(AssertionError, match="illegal to call Engine.step"):
+            eng.step()
+        with pytest.raises(AssertionError, match="reentry is unsupported"):
+            with eng.no_sync():
+                pass
+        assert eng.inside_no_sync_ctxt is True
+    assert eng.inside_no_sync_ctxt is False
+    before = lin.weight.detach().clone()
+    eng.step()                                  # outside: the update applies the gradient kept by no_sync
+    assert torch.allclose(lin.weight.detach(), before - 0.1 * torch.ones(1, 2))
