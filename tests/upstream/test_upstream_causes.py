@@ -644,6 +644,11 @@ def test_zero3_linear_function_matches_f_linear():
     wd = w.detach()
     assert torch.allclose(torch.func.vmap(lambda xi: LinearFunctionForZeroStage3.apply(xi, wd).sum())(xs),
                           (xs @ wd.t()).sum(-1), atol=1e-5)
+    import functools
+    from deepspeed.runtime.zero import linear as zl
+    assert isinstance(zl.autocast_custom_fwd, functools.partial) and zl.autocast_custom_fwd.func is torch.amp.custom_fwd
+    assert zl.autocast_custom_bwd.func is torch.amp.custom_bwd
+    assert zl.autocast_custom_bwd.keywords == {"device_type": "cpu"}
     g, v = torch.func.grad_and_value(lambda ww: zero3_linear_wrap(xs, ww).sum())(wd)
     assert torch.allclose(g, torch.ones(3, 4).t() @ xs, atol=1e-5) and torch.allclose(v, (xs @ wd.t()).sum())
 

@@ -10,8 +10,21 @@ region around ``backward()`` does not leak in), and gradients come back in the i
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from ...accelerator import get_accelerator
+
+
+def noop_decorator(func):
+    return func
+
+
+# DeepSpeed's module-level autocast decorators (torch.amp's, bound to the accelerator's device type)
+autocast_custom_fwd = functools.partial(torch.amp.custom_fwd, device_type=get_accelerator().device_name())
+autocast_custom_bwd = functools.partial(torch.amp.custom_bwd, device_type=get_accelerator().device_name())
 
 
 def _device_type(t: torch.Tensor) -> str:
@@ -79,4 +92,5 @@ class LinearModuleForZeroStage3(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-__all__ = ["LinearFunctionForZeroStage3", "zero3_linear_wrap", "LinearModuleForZeroStage3"]
+__all__ = ["LinearFunctionForZeroStage3", "zero3_linear_wrap", "LinearModuleForZeroStage3", "autocast_custom_fwd",
+           "autocast_custom_bwd", "noop_decorator"]
