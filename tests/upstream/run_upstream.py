@@ -299,6 +299,10 @@ KNOWN += [
      "imports deepspeed.runtime.base_optimizer.ZeROOptimizer (absent by design: our optimizer objects do not "
      "share DeepSpeed's base classes, docs/api_surface.md); what these tests check - optimizer.needs_scaler() and "
      "the fp16 refusal of an unscaled loss.backward() - is provided (test_error_when_backward_without_scale_fp16)"),
+    (r"deepspeed\.runtime\.activation_checkpointing\.offload_activations", "remaining",
+     "CheckpointHiddenStatesOffload (host offload of marked checkpoint inputs, Hugging Face GradientCheckpointingLayer "
+     "marker; ~520 lines in DeepSpeed) is not built: 7 of its tests pass on the real DeepSpeed on CPU (12 with "
+     "transformers installed), 19 need a stream-capable accelerator"),
     (r"test_nvtx\.py", "out_of_scope", "imports DeepSpeed's top-level accelerator package (cuda_accelerator); "
      "NVTX ranges are not used here"),
     (r"test_byte_cast\.py::.*test_byte_cast_cpu_tensor\[True", "out_of_scope",
