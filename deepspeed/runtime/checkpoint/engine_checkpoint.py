@@ -202,7 +202,7 @@ def commit_or_abort(engine, writer, rank: int, error, what: str, save_latest: bo
             from ..precision.flat_state import ZERO_TO_FP32_SCRIPT   # DeepSpeed puts the recovery script there
             from .io import atomic_write_text
             try:   # after the commit point: the checkpoint is saved whatever happens here
-                atomic_write_text(os.path.join(script_dir, "zero_to_fp32.py"), ZERO_TO_FP32_SCRIPT)
+                atomic_write_text(os.path.join(script_dir, "zero_to_fp32.py"), ZERO_TO_FP32_SCRIPT, executable=True)
             except CheckpointError as err:
                 logger.warning(f"Checkpoint '{writer.tag}' is saved, but {err}")
     writer._unregister()

@@ -24,6 +24,7 @@ import contextlib
 import errno as _errno
 import os
 import shutil
+import stat
 import threading
 
 import torch
@@ -125,13 +126,17 @@ def atomic_torch_save(obj, path: str) -> dict:
     return entry
 
 
-def atomic_write_text(path: str, text: str, sync_dir: bool = True) -> None:
+def atomic_write_text(path: str, text: str, sync_dir: bool = True, executable: bool = False) -> None:
+    """Write ``text`` to ``path`` atomically (``executable``: with the owner's execute bit, as
+    DeepSpeed leaves its ``zero_to_fp32.py``)."""
     part = path + ".part"
     try:
         with open(part, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+            if executable:
+                os.fchmod(f.fileno(), os.fstat(f.fileno()).st_mode | stat.S_IEXEC)
         os.replace(part, path)
     except OSError as err:
         _remove(part)
@@ -234,9 +239,9 @@ class CheckpointWriter:
         except CheckpointWriteError as err:
             raise CheckpointWriteError(f"{err} {self._kept()}", err.path, err.errno) from None
 
-    def write_text(self, name: str, text: str) -> None:
+    def write_text(self, name: str, text: str, executable: bool = False) -> None:
         try:
-            atomic_write_text(os.path.join(self.path, name), text, sync_dir=False)
+            atomic_write_text(os.path.join(self.path, name), text, sync_dir=False, executable=executable)
         except CheckpointWriteError as err:
             raise CheckpointWriteError(f"{err} {self._kept()}", err.path, err.errno) from None
 

@@ -91,7 +91,7 @@ class FlatStateMixin:
             save_rank_local_state(self.inner, writer, dp_rank, mp_rank)   # 1-bit error buffers, per rank
 
     def write_checkpoint_extras(self, writer):
-        writer.write_text("zero_to_fp32.py", ZERO_TO_FP32_SCRIPT)
+        writer.write_text("zero_to_fp32.py", ZERO_TO_FP32_SCRIPT, executable=True)
 
     # ------------------------------------------------------------------ load
     def load_state_dict(self, state_dict) -> None:

@@ -627,7 +627,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
 
     def write_checkpoint_extras(self, writer) -> None:
         from ..precision.flat_state import ZERO_TO_FP32_SCRIPT
-        writer.write_text("zero_to_fp32.py", ZERO_TO_FP32_SCRIPT)
+        writer.write_text("zero_to_fp32.py", ZERO_TO_FP32_SCRIPT, executable=True)
 
     def destroy(self) -> None:
         self.parts.close()   # NVMe swap files

@@ -114,6 +114,7 @@ def test_resume_across_world_sizes_and_stages(tmp_path):
     assert "layers.0.bias" in cons and cons["layers.0.bias"].dtype == torch.float32   # frozen: from the module file
     tag_dir = os.path.join(dir_b, "global_step2")
     script = os.path.join(tag_dir, "zero_to_fp32.py")
+    assert os.access(script, os.X_OK) and os.access(os.path.join(dir_b, "zero_to_fp32.py"), os.X_OK)   # as DeepSpeed
     out_file = str(tmp_path / "consolidated.bin")
     proc = subprocess.run([sys.executable, script, tag_dir, out_file], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
