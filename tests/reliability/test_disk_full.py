@@ -103,11 +103,11 @@ def _sweep(stage, tmp_path, max_pages):
         from deepspeed.runtime.checkpoint import io as ckpt_io
         real = ckpt_io.atomic_write_text
 
-        def fill_then_write(path, text, sync_dir=True):
+        def fill_then_write(path, text, sync_dir=True, **kw):
             if os.path.basename(path) == "latest":
                 with open(os.path.join(mnt, "filler"), "wb") as f:
                     f.write(b"\0" * (_free_pages(mnt) * PAGE))
-            return real(path, text, sync_dir)
+            return real(path, text, sync_dir, **kw)
         before = _snapshot(save)
         ckpt_io.atomic_write_text = fill_then_write
         try:
