@@ -323,41 +323,6 @@ class DeepSpeedEngine(EngineFeatureMethods, EngineConfigQueries, TorchBackwardMe
             self.strategy.allreduce_gradients()
             self._unreduced_grads = False
 
-    @property
-    def gradient_average(self) -> bool:
-        """DeepSpeed's switch: True averages the data-parallel gradient reduction, False keeps the sum
-        (initially ``gradient_allreduce_op`` 'mean' / 'sum'). Assignable at ZeRO stage 0."""
-        bucketers = getattr(self.strategy, "bucketers", None)
-        if bucketers:
-            return bucketers[0].average
-        return self.config_obj.model.gradient_allreduce_op == "mean"
-
-    @gradient_average.setter
-    def gradient_average(self, value: bool) -> None:
-        bucketers = getattr(self.strategy, "bucketers", None)
-        if bucketers is None:
-            raise NotImplementedError(
-                f"engine.gradient_average can be assigned at ZeRO stage 0 only (this engine runs "
-                f"{type(self.strategy).__name__}); set gradient_allreduce_op ('mean' or 'sum') in the config")
-        for b in bucketers:
-            b.average = bool(value)
-
-    def _change_recovery_script_permissions(self, dst: str) -> None:
-        """Make the ``zero_to_fp32.py`` copied beside a checkpoint executable (DeepSpeed's helper); where
-        permissions cannot be changed (a missing file, a file share that refuses chmod) log it and go on."""
-        import os
-        import stat
-        try:
-            os.chmod(dst, os.stat(dst).st_mode | stat.S_IEXEC)
-        except (FileNotFoundError, PermissionError) as err:
-            logger.info(f"Could not change the permissions of {dst} ({err}); continuing without changing them.")
-
-    def all_gather_scalar(self, value: torch.Tensor, dp_group=None) -> list:
-        """DeepSpeed's helper: ``value`` from every rank of ``dp_group`` (a list, in group-rank order)."""
-        out = [torch.zeros_like(value) for _ in range(dist.get_world_size(group=dp_group))]
-        dist.all_gather(out, value.contiguous(), group=dp_group)
-        return out
-
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override

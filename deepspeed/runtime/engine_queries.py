@@ -3,13 +3,18 @@
 Ecosystem code (Hugging Face Accelerate and Transformers, Megatron-style trainers) calls
 them on the engine (``engine.zero_reduce_bucket_size()``, ``engine.steps_per_print()``,
 ``engine.get_batch_info()``, ...). Each reads the typed config parsed once at
-``initialize`` (``engine.config_obj``); none parses or stores anything of its own.
+``initialize`` (``engine.config_obj``); none parses or stores anything of its own. The last
+section holds DeepSpeed's few small engine helpers that are not queries (``gradient_average``,
+``all_gather_scalar``, ``_change_recovery_script_permissions``), kept out of the facade.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
+
+from ..utils.logging import logger
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -274,3 +279,38 @@ class EngineConfigQueries:
 
     def dump_state(self) -> bool:
         return self.config_obj.model.dump_state
+
+    # -- DeepSpeed's small engine helpers (not config queries; kept here, out of the facade) ------
+    @property
+    def gradient_average(self) -> bool:
+        """DeepSpeed's switch: True averages the data-parallel gradient reduction, False keeps the sum
+        (initially ``gradient_allreduce_op`` 'mean' / 'sum'). Assignable at ZeRO stage 0."""
+        bucketers = getattr(self.strategy, "bucketers", None)
+        if bucketers:
+            return bucketers[0].average
+        return self.config_obj.model.gradient_allreduce_op == "mean"
+
+    @gradient_average.setter
+    def gradient_average(self, value: bool) -> None:
+        bucketers = getattr(self.strategy, "bucketers", None)
+        if bucketers is None:
+            raise NotImplementedError(
+                f"engine.gradient_average can be assigned at ZeRO stage 0 only (this engine runs "
+                f"{type(self.strategy).__name__}); set gradient_allreduce_op ('mean' or 'sum') in the config")
+        for b in bucketers:
+            b.average = bool(value)
+
+    def _change_recovery_script_permissions(self, dst: str) -> None:
+        """Make the ``zero_to_fp32.py`` copied beside a checkpoint executable (DeepSpeed's helper); where
+        permissions cannot be changed (a missing file, a file share that refuses chmod) log it and go on."""
+        from .checkpoint.io import make_executable
+        try:
+            make_executable(dst)
+        except (FileNotFoundError, PermissionError) as err:
+            logger.info(f"Could not change the permissions of {dst} ({err}); continuing without changing them.")
+
+    def all_gather_scalar(self, value: torch.Tensor, dp_group=None) -> list:
+        """DeepSpeed's helper: ``value`` from every rank of ``dp_group`` (a list, in group-rank order)."""
+        out = [torch.zeros_like(value) for _ in range(dist.get_world_size(group=dp_group))]
+        dist.all_gather(out, value.contiguous(), group=dp_group)
+        return out

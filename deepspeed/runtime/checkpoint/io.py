@@ -126,6 +126,11 @@ def atomic_torch_save(obj, path: str) -> dict:
     return entry
 
 
+def make_executable(file) -> None:
+    """Add the owner's execute bit to ``file`` (a path or an open descriptor)."""
+    os.chmod(file, os.stat(file).st_mode | stat.S_IEXEC)
+
+
 def atomic_write_text(path: str, text: str, sync_dir: bool = True, executable: bool = False) -> None:
     """Write ``text`` to ``path`` atomically (``executable``: with the owner's execute bit, as
     DeepSpeed leaves its ``zero_to_fp32.py``)."""
@@ -136,7 +141,7 @@ def atomic_write_text(path: str, text: str, sync_dir: bool = True, executable: b
             f.flush()
             os.fsync(f.fileno())
             if executable:
-                os.fchmod(f.fileno(), os.fstat(f.fileno()).st_mode | stat.S_IEXEC)
+                make_executable(f.fileno())
         os.replace(part, path)
     except OSError as err:
         _remove(part)
