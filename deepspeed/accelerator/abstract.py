@@ -21,6 +21,11 @@ class DeepSpeedAccelerator(ABC):
     def is_available(self) -> bool:
         return True
 
+    def is_synchronized_device(self) -> bool:
+        """True where work runs synchronously with the host (the CPU): no streams, nothing to
+        overlap. DeepSpeed's name; code that offloads asynchronously checks it."""
+        return False
+
     @abstractmethod
     def device_count(self) -> int: ...
 

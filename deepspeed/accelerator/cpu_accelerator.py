@@ -30,6 +30,9 @@ class CPU_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class n
     def visible_devices_envs(self):
         return ["CUDA_VISIBLE_DEVICES"]
 
+    def is_synchronized_device(self) -> bool:
+        return True
+
     def current_device(self) -> int:
         return 0
 
