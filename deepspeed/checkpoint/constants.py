@@ -15,6 +15,7 @@ MODEL_FILE_SUFFIX = "_model_states.pt"
 LAYER_FILE_PREFIX = "layer_"
 LAYER_FILE_SUFFIX = "-model_states.pt"  # layer_XX[-model_YY]-model_states.pt
 PIPE_STAGE_FILE_PREFIX = "pipe_stage_"  # this package: pipeline stages' optimizer files
+PIPELINE_KEY = "pipeline"  # this package: a pipeline checkpoint's model-states entry (num_stages, parts)
 LATEST_FILE = "latest"
 
 # Optimizer state keys (DeepSpeed's names)
@@ -71,6 +72,17 @@ CHECKPOINT_INFO_KEY = "checkpoint_info"
 ITERATION_KEY = "iteration"
 EMBEDDING_LAYER_INDEX = 0
 FINAL_LAYER_NORM_INDEX = -1
+
+# AutoEP (DeepSpeed's automatic expert parallelism, not built here): the model-states entries a
+# DeepSpeed checkpoint of an AutoEP model carries, for readers of such checkpoints' metadata.
+AUTOEP_LAYERS_KEY = "ds_autoep_layers"
+AUTOEP_LAYERS_KEY_LEGACY = "autoep_layers"
+AUTOEP_EXPERT_KEY_PREFIX = "expert_key_prefix"
+AUTOEP_NUM_EXPERTS = "num_experts"
+AUTOEP_NUM_LOCAL_EXPERTS = "num_local_experts"
+AUTOEP_EP_SIZE = "ep_size"
+AUTOEP_ZERO12_REQUIRED_FIELDS = (AUTOEP_EXPERT_KEY_PREFIX, AUTOEP_NUM_EXPERTS, AUTOEP_NUM_LOCAL_EXPERTS, AUTOEP_EP_SIZE)
+USE_DATA_BEFORE_EXPERT_PARALLELISM = "use_data_before_expert_parallelism"  # ds_config key
 
 # The model-states key where a checkpoint records its pipeline / tensor-parallel degrees.
 CHECKPOINT_PARALLEL_DIMS = "checkpoint_parallel_dimensions"

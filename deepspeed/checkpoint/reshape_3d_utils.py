@@ -7,10 +7,8 @@ rank: cell (pp, tp) lists the old files that merge into that new rank. Only shri
 supported (each old degree a multiple of the new one)."""
 from __future__ import annotations
 
-import torch
-
-from .constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE, LAYER_FILE_PREFIX, \
-    MODEL_FILE_PREFIX
+from .constants import (CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE, LAYER_FILE_PREFIX,
+                        MODEL_FILE_PREFIX, MODEL_FILE_SUFFIX, PIPELINE_KEY, ZERO_FILE_PREFIX)
 from .reshape_meg_2d import meg_2d_parallel_map, reshape_meg_2d_parallel
 from .reshape_utils import get_files, get_files_with_prefix, get_zero_files, partition_data
 
@@ -76,10 +74,20 @@ def unflatten_dp_dimension(meg_2d_map, dp_degree) -> list:
     return maps
 
 
+def _stage_count(meta):
+    """This package's pipeline checkpoints: the stage count of the ``pipeline`` entry (stage 0 writes
+    one model-states file per tensor rank; DeepSpeed writes one per stage and tensor rank)."""
+    v = (meta or {}).get(PIPELINE_KEY)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+
 def get_model_3d_descriptor_from_metadata(file_list, zero_file_list, model_state_metadata):
     """The shape from each model-states file's ``checkpoint_parallel_dimensions`` (all files must
-    carry the same one), else from the file counts (layer files of stage 1 give the tp degree)."""
+    carry the same one), else from the file counts (layer files of stage 1 give the tp degree).
+    ``model_state_metadata``: ``[(model_file, {checkpoint_parallel_dimensions: ..., ...}), ...]``."""
     model_files = [f for f, _ in model_state_metadata]
+    stages = [_stage_count(meta) for _, meta in model_state_metadata]
+    own_pipeline = bool(stages) and all(s is not None for s in stages)
     dims, missing = [], []
     for f, meta in model_state_metadata:
         d = (meta or {}).get(CHECKPOINT_PARALLEL_DIMS)
@@ -101,30 +109,54 @@ def get_model_3d_descriptor_from_metadata(file_list, zero_file_list, model_state
         if len(set(dims)) != 1:
             raise RuntimeError(f"Checkpoint {CHECKPOINT_PARALLEL_DIMS} disagrees across model-state files: {dims}")
         pp, tp = dims[0]
-        if len(model_files) != pp * tp:
-            raise RuntimeError(f"Checkpoint model-state file count {len(model_files)} does not match "
-                               f"{CHECKPOINT_PP_DEGREE}={pp} * {CHECKPOINT_TP_DEGREE}={tp}.")
+        expected = tp if own_pipeline else pp * tp
+        if len(model_files) != expected:
+            layout = (f"{CHECKPOINT_TP_DEGREE}={tp} (a pipeline checkpoint of this package: one per tensor rank)"
+                      if own_pipeline else f"{CHECKPOINT_PP_DEGREE}={pp} * {CHECKPOINT_TP_DEGREE}={tp}")
+            raise RuntimeError(f"Checkpoint model-state file count {len(model_files)} does not match {layout}.")
         if len(zero_file_list) % (pp * tp):
             raise RuntimeError(f"Checkpoint ZeRO file count {len(zero_file_list)} is not divisible by "
                                f"{CHECKPOINT_PP_DEGREE}={pp} * {CHECKPOINT_TP_DEGREE}={tp}.")
         return model_3d_desc(pp, tp, max(1, len(zero_file_list) // (pp * tp)))
-    stage1_layers = len(get_files_with_prefix(file_list, f"{LAYER_FILE_PREFIX}01"))
-    if stage1_layers:
-        tp = stage1_layers
-        pp = len(model_files) // tp
+    if own_pipeline:
+        tp, pp = len(model_files), stages[0]
     else:
-        tp, pp = max(1, len(model_files)), 1
+        stage1_layers = len(get_files_with_prefix(file_list, f"{LAYER_FILE_PREFIX}01"))
+        if stage1_layers:
+            tp = stage1_layers
+            pp = max(1, len(model_files) // tp)
+        else:
+            tp, pp = max(1, len(model_files)), 1
     return model_3d_desc(pp, tp, max(1, len(zero_file_list) // (pp * tp)))
+
+
+def model_state_files(file_list) -> list:
+    """The model-states files that describe the checkpoint, one per (pipeline stage, tensor rank):
+    ``mp_rank_XX_model_states.pt``, or at ZeRO stage 3 (no such file) data rank 0's
+    ``zero_pp_rank_0_mp_rank_XX_model_states.pt``, sorted."""
+    files = [f for f in get_files_with_prefix(file_list, MODEL_FILE_PREFIX) if f.endswith(MODEL_FILE_SUFFIX)]
+    if files:
+        return files
+    return [f for f in get_files_with_prefix(file_list, f"{ZERO_FILE_PREFIX}0_{MODEL_FILE_PREFIX}")
+            if f.endswith(MODEL_FILE_SUFFIX)]
+
+
+def read_model_state(path):
+    """One model-states file through the package's reader (weights-only, verified against the
+    tag's manifest when it has one), memory-mapped: the module weights it holds are not read
+    into memory for the few entries a descriptor needs."""
+    from ..runtime.checkpoint.io import load_file
+    return load_file(path, mmap=True)
 
 
 def get_model_3d_descriptor(dir):  # noqa: A002 - DeepSpeed's parameter name
     """The (pp, tp, dp) shape of the checkpoint tag directory ``dir``."""
-    from ..runtime.checkpoint.allowlist import SAFE_GLOBALS
     files = get_files(dir)
     meta = []
-    for f in get_files_with_prefix(files, MODEL_FILE_PREFIX):
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-        meta.append((f, {CHECKPOINT_PARALLEL_DIMS: state.get(CHECKPOINT_PARALLEL_DIMS)}))
+    for f in model_state_files(files):
+        state = read_model_state(f)
+        pipe = state.get(PIPELINE_KEY)
+        meta.append((f, {CHECKPOINT_PARALLEL_DIMS: state.get(CHECKPOINT_PARALLEL_DIMS),
+                         PIPELINE_KEY: pipe.get("num_stages") if isinstance(pipe, dict) else None}))
         del state
     return get_model_3d_descriptor_from_metadata(files, get_zero_files(dir), meta)

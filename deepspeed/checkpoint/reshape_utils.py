@@ -8,7 +8,8 @@ from collections import OrderedDict
 
 import torch
 
-from .constants import BF16_ZERO_FILE_PREFIX, FP16_ZERO_FILE_PREFIX, MODEL_FILE_PREFIX, ZERO_FILE_PREFIX
+from .constants import (BF16_ZERO_FILE_PREFIX, FP16_ZERO_FILE_PREFIX, MODEL_FILE_PREFIX, OPTIM_FILE_SUFFIX,
+                        PIPE_STAGE_FILE_PREFIX, ZERO_FILE_PREFIX)
 
 
 def basic_folder_validation(dir):  # noqa: A002 - DeepSpeed's parameter name
@@ -43,14 +44,29 @@ def sort_zero_files(files, prefix) -> list:
     return [f for _, _, f in sorted(keyed)]
 
 
+# this package's pipeline checkpoints: one optimizer file per (stage, data rank, tensor rank)
+_PIPE_STAGE_ZERO = re.compile(r"^" + re.escape(PIPE_STAGE_FILE_PREFIX) + r"(\d+)-" + re.escape(ZERO_FILE_PREFIX)
+                              + r"(\d+)_" + re.escape(MODEL_FILE_PREFIX) + r"(\d+)" + re.escape(OPTIM_FILE_SUFFIX) + "$")
+
+
 def get_zero_files(dir) -> list:  # noqa: A002
-    """The ZeRO optimizer files under ``dir`` (plain, ``fp16_`` or ``bf16_`` prefixed), in rank order."""
-    files = get_files(dir)
+    """The ZeRO optimizer files under ``dir`` (plain, ``fp16_`` or ``bf16_`` prefixed; only
+    ``*_optim_states.pt``, not ZeRO-3's per-rank model-states files), in rank order:
+    data-parallel rank major, then model-parallel rank. A pipeline checkpoint of this package
+    (``pipe_stage_SS-zero_pp_rank_D_mp_rank_TT_optim_states.pt``) is listed in the order DeepSpeed's
+    layout has, where the model-parallel rank of stage ``s``, tensor rank ``t`` is ``s * tp + t``:
+    by (data rank, stage, tensor rank)."""
+    files = [f for f in get_files(dir) if f.endswith(OPTIM_FILE_SUFFIX)]
     for prefix in (ZERO_FILE_PREFIX, FP16_ZERO_FILE_PREFIX, BF16_ZERO_FILE_PREFIX):
         found = get_files_with_prefix(files, prefix)
         if found:
             return sort_zero_files(found, prefix)
-    return []
+    staged = []
+    for f in files:
+        m = _PIPE_STAGE_ZERO.match(os.path.basename(f))
+        if m:
+            staged.append((int(m.group(2)), int(m.group(1)), int(m.group(3)), f))
+    return [f for *_, f in sorted(staged)]
 
 
 def partition_data(data_list, num_partitions) -> list:
@@ -63,18 +79,19 @@ def partition_data(data_list, num_partitions) -> list:
 
 
 def merge_state(state_a, state_b, key_list=()):
-    """Merge two states of the same structure: dicts key by key (keys of ``b`` only are taken),
-    lists/tuples element-wise, tensors concatenated along dim 0, anything else from ``a``."""
+    """Merge two states of the same structure: dicts key by key (keys only ``b`` has are taken too),
+    lists/tuples element-wise, tensors concatenated along dim 0, anything else (numbers, strings,
+    named tuples, other objects) from ``a``."""
     where = ".".join(map(str, key_list)) or "<root>"
     if type(state_a) is not type(state_b):
         raise ValueError(f"merge_state: cannot merge {type(state_a).__name__} with {type(state_b).__name__} "
                          f"at {where}")
-    if isinstance(state_a, (dict, OrderedDict)):
+    if type(state_a) in (dict, OrderedDict):
         out = type(state_a)()
         for k, v in state_b.items():
             out[k] = merge_state(state_a[k], v, [*key_list, k]) if k in state_a else v
         return out
-    if isinstance(state_a, (list, tuple)):
+    if type(state_a) in (list, tuple):
         if len(state_a) != len(state_b):
             raise ValueError(f"merge_state: lists of lengths {len(state_a)} and {len(state_b)} at {where}")
         return type(state_a)(merge_state(a, b, [*key_list, i]) for i, (a, b) in enumerate(zip(state_a, state_b)))

@@ -25,7 +25,7 @@ from .checkpoint.engine_checkpoint import load_engine_checkpoint, save_engine_ch
 from .dataloader import DeepSpeedDataLoader
 from .engine_monitor import attach_observability
 from .engine_features import EngineFeatureMethods, build_features
-from .engine_queries import EngineConfigQueries
+from .engine_queries import EngineConfigQueries, _checkpoint_parallel_metadata  # noqa: F401 - DeepSpeed's helper
 from .sequence_parallel.engine_groups import resolve_sequence_parallel_mpu, sequence_parallel_layout
 from .strategy import StrategyContext
 from .strategy_factory import build_strategy

@@ -19,6 +19,35 @@ from ..utils.logging import logger
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def _world_size_of(mpu, getters) -> Optional[int]:
+    for name in getters:
+        if hasattr(mpu, name):
+            return int(getattr(mpu, name)())
+    return None
+
+
+def _checkpoint_parallel_metadata(mpu) -> dict:
+    """DeepSpeed's module-level helper (its ``runtime/engine.py``): the model-states entry
+    ``{"checkpoint_parallel_dimensions": {"pp_degree": P, "tp_degree": T}}`` that records the
+    pipeline and tensor-parallel degrees of the job that saved the checkpoint (read back by
+    ``deepspeed.checkpoint.get_model_3d_descriptor`` / ``DeepSpeedCheckpoint``). Taken from
+    ``mpu`` as DeepSpeed does: the pipeline size from ``get_pipeline_model_parallel_world_size``
+    or ``get_pipe_parallel_world_size`` (else 1), the tensor size from
+    ``get_tensor_model_parallel_world_size``, ``get_slice_parallel_world_size`` or
+    ``get_model_parallel_world_size``; both 1 without an ``mpu``."""
+    from ..checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE
+    if mpu is None:
+        pp, tp = 1, 1
+    else:
+        pp = _world_size_of(mpu, ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size")) or 1
+        tp = _world_size_of(mpu, ("get_tensor_model_parallel_world_size", "get_slice_parallel_world_size",
+                                  "get_model_parallel_world_size"))
+        if tp is None:
+            raise AttributeError(f"mpu {type(mpu).__name__} has none of get_tensor_model_parallel_world_size / "
+                                 f"get_slice_parallel_world_size / get_model_parallel_world_size")
+    return {CHECKPOINT_PARALLEL_DIMS: {CHECKPOINT_PP_DEGREE: pp, CHECKPOINT_TP_DEGREE: tp}}
+
+
 class EngineConfigQueries:
     """Mixed into :class:`~deepspeed.runtime.engine.DeepSpeedEngine`."""
 
