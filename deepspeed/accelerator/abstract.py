@@ -94,16 +94,38 @@ class DeepSpeedAccelerator(ABC):
     def supported_dtypes(self):
         return [torch.float32, torch.float16, torch.bfloat16]
 
-    def pin_memory(self, tensor, align_bytes=1):
+    # Pinning. DS_PIN_MEMORY_BACKEND=native sends these three calls to the process-wide manager in
+    # deepspeed/utils/pin_memory.py (page-locked copies, with or without a device); otherwise the
+    # device's torch pinning, _torch_pin_memory / _torch_is_pinned (nothing to pin on the CPU).
+    def pin_memory(self, tensor, make_copy=True, match_shape=True, align_bytes=1):
+        """A pinned version of ``tensor``. Native backend: a page-locked copy (``make_copy=False``:
+        contents undefined; ``match_shape=False``: flat); torch backend: ``_torch_pin_memory``."""
+        from ..utils.pin_memory import get_active_native_pinned_memory
+        native = get_active_native_pinned_memory()
+        if native is None:
+            return self._torch_pin_memory(tensor)
+        from ..utils.pin_memory_tracker import track_pinned_memory
+        track_pinned_memory(tensor.nbytes)
+        return native.pin(tensor, make_copy=make_copy, match_shape=match_shape)
+
+    def _torch_pin_memory(self, tensor):
         return tensor
 
     def is_pinned(self, tensor) -> bool:
+        from ..utils.pin_memory import get_active_native_pinned_memory
+        native = get_active_native_pinned_memory()
+        return self._torch_is_pinned(tensor) if native is None else native.is_pinned(tensor)
+
+    def _torch_is_pinned(self, tensor) -> bool:
         return False
 
     def unpin_memory(self, tensor):
-        """Release pinning done by :meth:`pin_memory`: None, as with DeepSpeed's torch backend
+        """Release pinning done by :meth:`pin_memory`. Native backend: frees the page-locked
+        allocation, True (False if already freed); torch backend: None, as DeepSpeed's
         (torch-pinned memory is freed when the tensor is garbage collected)."""
-        return None
+        from ..utils.pin_memory import get_active_native_pinned_memory
+        native = get_active_native_pinned_memory()
+        return None if native is None else native.unpin(tensor)
 
     def on_accelerator(self, tensor) -> bool:
         return tensor.device.type == self._name

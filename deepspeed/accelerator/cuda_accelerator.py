@@ -61,10 +61,12 @@ class CUDA_Accelerator(DeepSpeedAccelerator):  # noqa: N801
     def is_bf16_supported(self) -> bool:
         return torch.cuda.is_bf16_supported()
 
-    def pin_memory(self, tensor, align_bytes=1):
+    def _torch_pin_memory(self, tensor):
+        from ..utils.pin_memory_tracker import track_pinned_memory
+        track_pinned_memory(tensor.nbytes)
         return tensor.pin_memory()
 
-    def is_pinned(self, tensor) -> bool:
+    def _torch_is_pinned(self, tensor) -> bool:
         return tensor.is_pinned()
 
     def Stream(self, *args, **kwargs):  # noqa: N802

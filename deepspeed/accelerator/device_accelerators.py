@@ -120,10 +120,14 @@ class TorchDeviceAccelerator(DeepSpeedAccelerator):
     def supported_dtypes(self):
         return [torch.float32, torch.float16, torch.bfloat16] if self.is_available() else []
 
-    def pin_memory(self, tensor, align_bytes=1):
-        return tensor.pin_memory() if self.is_available() else tensor
+    def _torch_pin_memory(self, tensor):
+        if not self.is_available():
+            return tensor
+        from ..utils.pin_memory_tracker import track_pinned_memory
+        track_pinned_memory(tensor.nbytes)
+        return tensor.pin_memory()
 
-    def is_pinned(self, tensor) -> bool:
+    def _torch_is_pinned(self, tensor) -> bool:
         return tensor.is_pinned() if self.is_available() else False
 
     def on_accelerator(self, tensor) -> bool:

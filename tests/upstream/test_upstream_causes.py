@@ -675,3 +675,103 @@ def test_no_sync_refuses_reentry_and_step_inside():
     before = lin.weight.detach().clone()
     eng.step()                                  # outside: the update applies the gradient kept by no_sync
     assert torch.allclose(lin.weight.detach(), before - 0.1 * torch.ones(1, 2))
+
+
+def test_pin_memory_tracker_totals_and_doubling_checkpoints(caplog):
+    """DeepSpeed 0.19's deepspeed.utils.pin_memory_tracker: every accelerator pin_memory() that pins adds
+    the tensor's bytes to a process total; an INFO line the first time the total reaches 32 GiB, then
+    64, 128, ... GiB (one rung per doubling); the CPU accelerator pins nothing and counts nothing."""
+    import logging
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+    from deepspeed.utils import pin_memory_tracker as pmt
+    gib = 1 << 30
+    assert [pmt._fmt_bytes(n) for n in (512, 2048, 3 << 20, 5 * gib // 2)] == ["512 B", "2.0 KB", "3.00 MB",
+                                                                               "2.500 GB"]
+    ds_logger = logging.getLogger("DeepSpeed")
+    old_propagate, ds_logger.propagate = ds_logger.propagate, True
+    pmt._tracker.reset()
+    try:
+        with caplog.at_level(logging.INFO, logger="DeepSpeed"):
+            for n in (30 * gib, 3 * gib, 31 * gib, 70 * gib):     # totals 30, 33, 64, 134 GiB
+                pmt.track_pinned_memory(n)
+            pmt.pinned_memory_summary("unit")
+        lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+        assert (pmt._tracker._bytes, pmt._tracker._calls) == (134 * gib, 4)
+        assert pmt._tracker._next_checkpoint == 256 * gib          # 32 -> 64 -> 128 crossed, 256 next
+        assert [ln for ln in lines if "checkpoint" in ln] == [
+            "[pinned-memory checkpoint] reached 32.000 GB: 33.000 GB pinned in 2 allocations",
+            "[pinned-memory checkpoint] reached 64.000 GB: 64.000 GB pinned in 3 allocations",
+            "[pinned-memory checkpoint] reached 128.000 GB: 134.000 GB pinned in 4 allocations"]
+        assert lines[-1] == "[pinned-memory unit] 134.000 GB pinned in 4 allocations"
+
+        class PinnableStandIn:                  # CPU torch cannot pin: record that CUDA's path pins once
+            nbytes, pinned = 4096, 0
+
+            def pin_memory(self):
+                self.pinned += 1
+                return self
+        pmt._tracker.reset()
+        t = PinnableStandIn()
+        assert CUDA_Accelerator().pin_memory(t) is t and t.pinned == 1
+        assert (pmt._tracker._bytes, pmt._tracker._calls) == (4096, 1)
+        x = torch.zeros(1024)
+        assert CPU_Accelerator().pin_memory(x) is x
+        assert (pmt._tracker._bytes, pmt._tracker._calls) == (4096, 1)
+    finally:
+        ds_logger.propagate = old_propagate
+        pmt._tracker.reset()
+
+
+def _locked_kib():
+    """The kernel's count of this process's page-locked memory (/proc/self/status VmLck), in KiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmLck:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the kernel's VmLck count (Linux)")
+def test_native_pin_memory_backend_page_locks_copies_and_frees(monkeypatch):
+    """DS_PIN_MEMORY_BACKEND=native (DeepSpeed 0.19): the accelerator's pin_memory returns a page-locked
+    copy even on the CPU; is_pinned sees views of it; unpin_memory frees it once (True, then False); an
+    allocation nobody unpins is freed when its last view is collected. The kernel's own VmLck count is
+    the reference for 'page-locked' and 'freed'."""
+    import gc
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    import deepspeed.ops.op_builder as op_builder
+    import deepspeed.utils.pin_memory as pin_util
+    from deepspeed.utils import pin_memory_tracker as pmt
+    acc, page = CPU_Accelerator(), os.sysconf("SC_PAGESIZE")
+    x = torch.arange(3 * 4096, dtype=torch.float32).reshape(3, 4096)          # 48 KiB, whole pages
+    monkeypatch.setenv("DS_PIN_MEMORY_BACKEND", "native")
+    pmt._tracker.reset()
+    base_kib = _locked_kib()
+    p = acc.pin_memory(x)
+    assert torch.equal(p, x) and p.shape == x.shape and p.data_ptr() != x.data_ptr() and p.data_ptr() % page == 0
+    assert _locked_kib() - base_kib == 48 and pmt._tracker._bytes == x.nbytes
+    assert acc.is_pinned(p) and acc.is_pinned(p[2, 5:]) and not acc.is_pinned(x)
+    assert not acc.is_pinned(torch.zeros(2, device="meta"))
+    flat = acc.pin_memory(x, match_shape=False)
+    assert flat.shape == (x.numel(),) and torch.equal(flat, x.reshape(-1)) and _locked_kib() - base_kib == 96
+    view = p[1]
+    assert acc.unpin_memory(p) is True and acc.unpin_memory(p) is False
+    assert _locked_kib() - base_kib == 48 and not acc.is_pinned(view)
+    del flat
+    gc.collect()
+    assert _locked_kib() == base_kib                                           # freed with its last tensor
+    # the torch backend (default) pins nothing on the CPU; an unknown backend name is refused
+    monkeypatch.delenv("DS_PIN_MEMORY_BACKEND")
+    assert acc.pin_memory(x) is x and acc.unpin_memory(x) is None and not acc.is_pinned(x)
+    monkeypatch.setenv("DS_PIN_MEMORY_BACKEND", "fast")
+    with pytest.raises(ValueError, match="'torch' \\(default\\), 'native'"):
+        acc.pin_memory(x)
+    # native selected but the op cannot be loaded: an error at once, no silent torch fallback
+
+    class Unloadable:
+        def load(self):
+            raise OSError("no libc here")
+    monkeypatch.setenv("DS_PIN_MEMORY_BACKEND", "native")
+    monkeypatch.setattr(pin_util, "_shared_native_pins", None)
+    monkeypatch.setattr(op_builder, "PinMemoryBuilder", Unloadable)
+    with pytest.raises(RuntimeError, match="DS_PIN_MEMORY_BACKEND=native needs the pin_memory op"):
+        acc.pin_memory(x)
+    pmt._tracker.reset()

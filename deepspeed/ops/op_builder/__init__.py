@@ -19,7 +19,7 @@ _FILE_OF = {"cpu_adam": "CPUAdamBuilder", "fused_adam": "FusedAdamBuilder", "cpu
             "stochastic_transformer": "StochasticTransformerBuilder", "sparse_attn": "SparseAttnBuilder",
             "transformer_inference": "InferenceBuilder", "spatial_inference": "SpatialInferenceBuilder",
             "quantizer": "QuantizerBuilder", "fp_quantizer": "FPQuantizerBuilder", "random_ltd": "RandomLTDBuilder",
-            "evoformer_attn": "EvoformerAttnBuilder"}
+            "evoformer_attn": "EvoformerAttnBuilder", "pin_memory": "PinMemoryBuilder"}
 
 
 def _register_file_paths() -> None:
