@@ -1,7 +1,8 @@
 """``CometMonitor``: events logged to a Comet experiment through ``comet_ml``.
 
-The section's keys map to ``comet_ml.start(api_key=, workspace=, project=,
-experiment_key=, mode=, online=)`` and the experiment name; events are logged with
+The section's keys map to ``comet_ml.start(api_key=, project=, workspace=,
+experiment_key=, mode=, online=)`` (each passed, None included, as DeepSpeed does) and
+``experiment.set_name(experiment_name)``; events are logged with
 ``log_metric(name, value, step=step)`` at most once per ``samples_log_interval``
 samples per metric. ``comet_ml`` is optional: enabling the section without it is an
 error naming ``pip install comet_ml``. (Not exercised in this repository's tests
@@ -28,11 +29,12 @@ class CometMonitor(Monitor):
         except ImportError as e:
             raise ImportError("The 'comet' monitor (config section 'comet') needs the comet_ml package: "
                               "pip install comet_ml") from e
-        kwargs = {k: getattr(section, k) for k in ("api_key", "workspace", "project", "experiment_key", "mode",
-                                                   "online") if getattr(section, k) is not None}
+        # As DeepSpeed: the six keys go to start() as given (None: comet_ml's own default, from its
+        # config file or COMET_* environment variables); the name is set on the experiment.
+        self.experiment = comet_ml.start(**{k: getattr(section, k) for k in ("api_key", "project", "workspace",
+                                                                           "experiment_key", "mode", "online")})
         if section.experiment_name is not None:
-            kwargs["experiment_config"] = comet_ml.ExperimentConfig(name=section.experiment_name)
-        self.experiment = comet_ml.start(**kwargs)
+            self.experiment.set_name(section.experiment_name)
 
     def write_events(self, event_list):
         if self.experiment is None:

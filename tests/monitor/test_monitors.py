@@ -180,8 +180,8 @@ def test_only_global_rank_zero_writes(tmp_path):
 
 def test_comet_calls_with_a_stand_in_module(monkeypatch):
     """comet_ml is not installed here: a stand-in module records what CometMonitor asks of
-    it (this checks our use of its API - start(), ExperimentConfig, log_metric with the
-    samples_log_interval throttle - not Comet itself)."""
+    it (this checks our use of its API - start() with DeepSpeed's six keyword arguments, set_name,
+    log_metric with the samples_log_interval throttle - not Comet itself)."""
     import sys
     import types
     calls = {}
@@ -190,6 +190,9 @@ def test_comet_calls_with_a_stand_in_module(monkeypatch):
         def __init__(self):
             self.logged = []
 
+        def set_name(self, name):
+            calls.setdefault("names", []).append(name)
+
         def log_metric(self, name, value, step=None):
             self.logged.append((name, value, step))
 
@@ -197,13 +200,14 @@ def test_comet_calls_with_a_stand_in_module(monkeypatch):
             calls["ended"] = True
 
     fake = types.ModuleType("comet_ml")
-    fake.ExperimentConfig = lambda **kw: ("config", kw)
     fake.start = lambda **kw: calls.setdefault("start", (kw, Experiment()))[1]
     monkeypatch.setitem(sys.modules, "comet_ml", fake)
     mon = CometMonitor({"comet": {"enabled": True, "project": "p", "workspace": "w", "samples_log_interval": 10,
                                   "experiment_name": "exp", "online": False}})
     kw, exp = calls["start"]
-    assert kw == {"project": "p", "workspace": "w", "online": False, "experiment_config": ("config", {"name": "exp"})}
+    assert kw == {"api_key": None, "project": "p", "workspace": "w", "experiment_key": None, "mode": None,
+                  "online": False}
+    assert calls["names"] == ["exp"]
     mon.write_events([("loss", 1.0, 4), ("loss", 0.9, 8), ("loss", 0.8, 14), ("lr", 0.1, 8), ("loss", 0.7, 24)])
     assert exp.logged == [("loss", 1.0, 4), ("loss", 0.8, 14), ("lr", 0.1, 8), ("loss", 0.7, 24)]
     mon.close()
