@@ -40,7 +40,7 @@ from .constants import (ARGS_KEY, AUTOEP_LAYERS_KEY, AUTOEP_LAYERS_KEY_LEGACY,
 from .reshape_3d_utils import get_model_3d_descriptor_from_metadata, model_3d_desc, model_state_files, \
     read_model_state
 from .reshape_meg_2d import reshape_meg_2d_parallel
-from .reshape_utils import get_files, get_zero_files, merge_state
+from .reshape_utils import get_files, get_top_level_files, get_zero_files, merge_state
 from .zero_checkpoint import ZeROCheckpoint
 
 _LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
@@ -111,7 +111,7 @@ class DeepSpeedCheckpoint:
         self.final_layer_norm_idx = final_layer_norm_idx
         check_complete(dir)   # a file the tag's manifest lists is missing: name it, its rank, the world size
         self.file_list = get_files(dir)
-        self.mp_rank_files = model_state_files(self.file_list)
+        self.mp_rank_files = model_state_files(get_top_level_files(dir))
         if not self.mp_rank_files:
             raise ValueError(f"DeepSpeedCheckpoint: {dir!r} has no mp_rank_XX_model_states.pt (or, at ZeRO stage 3, "
                              f"zero_pp_rank_0_mp_rank_XX_model_states.pt) file; not a deepspeed checkpoint tag directory")

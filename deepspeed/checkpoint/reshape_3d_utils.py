@@ -10,7 +10,7 @@ from __future__ import annotations
 from .constants import (CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE, LAYER_FILE_PREFIX,
                         MODEL_FILE_PREFIX, MODEL_FILE_SUFFIX, PIPELINE_KEY, ZERO_FILE_PREFIX)
 from .reshape_meg_2d import meg_2d_parallel_map, reshape_meg_2d_parallel
-from .reshape_utils import get_files, get_files_with_prefix, get_zero_files, partition_data
+from .reshape_utils import get_files, get_files_with_prefix, get_top_level_files, get_zero_files, partition_data
 
 PP_DIM, TP_DIM, DP_DIM = "PP", "TP", "DP"
 
@@ -153,7 +153,7 @@ def get_model_3d_descriptor(dir):  # noqa: A002 - DeepSpeed's parameter name
     """The (pp, tp, dp) shape of the checkpoint tag directory ``dir``."""
     files = get_files(dir)
     meta = []
-    for f in model_state_files(files):
+    for f in model_state_files(get_top_level_files(dir)):
         state = read_model_state(f)
         pipe = state.get(PIPELINE_KEY)
         meta.append((f, {CHECKPOINT_PARALLEL_DIMS: state.get(CHECKPOINT_PARALLEL_DIMS),

@@ -22,6 +22,11 @@ def get_files(dir) -> list:  # noqa: A002
     return [os.path.join(root, f) for root, _, files in os.walk(dir) for f in files]
 
 
+def get_top_level_files(dir) -> list:  # noqa: A002
+    """The files directly in ``dir`` (a checkpoint tag keeps all its files there), sorted."""
+    return sorted(os.path.join(dir, f) for f in os.listdir(dir) if os.path.isfile(os.path.join(dir, f)))
+
+
 def get_files_with_prefix(all_files, prefix) -> list:
     """The files whose base name starts with ``prefix``, sorted."""
     return sorted(p for p in all_files if os.path.basename(p).startswith(prefix))
@@ -55,8 +60,9 @@ def get_zero_files(dir) -> list:  # noqa: A002
     data-parallel rank major, then model-parallel rank. A pipeline checkpoint of this package
     (``pipe_stage_SS-zero_pp_rank_D_mp_rank_TT_optim_states.pt``) is listed in the order DeepSpeed's
     layout has, where the model-parallel rank of stage ``s``, tensor rank ``t`` is ``s * tp + t``:
-    by (data rank, stage, tensor rank)."""
-    files = [f for f in get_files(dir) if f.endswith(OPTIM_FILE_SUFFIX)]
+    by (data rank, stage, tensor rank). Only the files directly in ``dir`` (a tag directory), not
+    those of tags below it when ``dir`` is a save directory."""
+    files = [f for f in get_top_level_files(dir) if f.endswith(OPTIM_FILE_SUFFIX)]
     for prefix in (ZERO_FILE_PREFIX, FP16_ZERO_FILE_PREFIX, BF16_ZERO_FILE_PREFIX):
         found = get_files_with_prefix(files, prefix)
         if found:
