@@ -114,7 +114,8 @@ class DeepSpeedCheckpoint:
         self.mp_rank_files = model_state_files(get_top_level_files(dir))
         if not self.mp_rank_files:
             raise ValueError(f"DeepSpeedCheckpoint: {dir!r} has no mp_rank_XX_model_states.pt (or, at ZeRO stage 3, "
-                             f"zero_pp_rank_0_mp_rank_XX_model_states.pt) file; not a deepspeed checkpoint tag directory")
+                             f"zero_pp_rank_0_mp_rank_XX_model_states.pt) file; not a deepspeed checkpoint tag "
+                             f"directory")
         names = sorted(os.listdir(dir))
         self.layer_files = [os.path.join(dir, n) for n in names if _LAYER.match(n)]
         self._layer_map: Dict[int, Dict[int, str]] = {}

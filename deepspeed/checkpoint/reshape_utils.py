@@ -51,7 +51,8 @@ def sort_zero_files(files, prefix) -> list:
 
 # this package's pipeline checkpoints: one optimizer file per (stage, data rank, tensor rank)
 _PIPE_STAGE_ZERO = re.compile(r"^" + re.escape(PIPE_STAGE_FILE_PREFIX) + r"(\d+)-" + re.escape(ZERO_FILE_PREFIX)
-                              + r"(\d+)_" + re.escape(MODEL_FILE_PREFIX) + r"(\d+)" + re.escape(OPTIM_FILE_SUFFIX) + "$")
+                              + r"(\d+)_" + re.escape(MODEL_FILE_PREFIX) + r"(\d+)"
+                              + re.escape(OPTIM_FILE_SUFFIX) + "$")
 
 
 def get_zero_files(dir) -> list:  # noqa: A002

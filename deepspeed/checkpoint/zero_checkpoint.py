@@ -48,8 +48,9 @@ class ZeROCheckpoint:
         self.file_list = get_zero_files(dir)
         self.num_files = len(self.file_list)
         if not self.num_files:
-            raise FileNotFoundError(f"ZeROCheckpoint: no ZeRO optimizer files ([bf16_|fp16_]{ZERO_FILE_PREFIX}D_mp_rank_"
-                                    f"XX{OPTIM_FILE_SUFFIX}) in {dir!r}; pass a checkpoint tag directory")
+            raise FileNotFoundError(f"ZeROCheckpoint: no ZeRO optimizer files "
+                                    f"([bf16_|fp16_]{ZERO_FILE_PREFIX}D_mp_rank_XX{OPTIM_FILE_SUFFIX}) in {dir!r}; "
+                                    f"pass a checkpoint tag directory")
         self.src_3d = get_model_3d_descriptor(dir) if source_3d is None else source_3d
         if self.src_3d.world_size() != self.num_files:
             raise ValueError(f"ZeROCheckpoint: {dir!r} holds {self.num_files} ZeRO optimizer files, but its shape "

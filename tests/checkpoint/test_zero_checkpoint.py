@@ -41,7 +41,8 @@ def test_deepspeed_written_partitions_merge_to_the_full_flat_state(stage):
 
     zc = ZeROCheckpoint(tag)
     assert (zc.get_src_pp_degree(), zc.get_src_tp_degree(), zc.get_src_dp_degree()) == (1, 1, 2)
-    assert [os.path.basename(f) for f in zc.get_files_for_rank(0, 0, 1)] == ["zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert [os.path.basename(f) for f in zc.get_files_for_rank(0, 0, 1)] == [
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     # unmerged, each rank's partition is part of the whole; the last one carries the alignment padding
     parts = [zc.get_state_for_rank(0, 0, d, strip_tensor_paddings=False)["optimizer_state_dict"] for d in range(2)]
     assert all(0 < p["single_partition_of_fp32_groups"][0].numel() < numel + 2 for p in parts)
