@@ -28,7 +28,29 @@ BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchron
             "aten::_local_scalar_dense", "aten::item", "cudaMemcpy", "Memcpy DtoH")
 
 
-def profile_stage(stage, cfg, dev, steps, warmup):
+def _python_profile(step, dev, steps) -> list:
+    """cProfile over ``steps`` steps: the Python functions by own time (ms per step) and their
+    cumulative time - where the host's Python work goes (hooks, bookkeeping)."""
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    pr.disable()
+    st = pstats.Stats(pr)
+    rows = []
+    for (file, line, fn), (cc, nc, tt, ct, _callers) in st.stats.items():
+        rows.append({"fn": f"{os.path.basename(os.path.dirname(file))}/{os.path.basename(file)}:{line}({fn})",
+                     "calls_per_step": round(nc / steps, 1), "own_ms_per_step": round(1e3 * tt / steps, 3),
+                     "cum_ms_per_step": round(1e3 * ct / steps, 3)})
+    rows.sort(key=lambda r: -r["own_ms_per_step"])
+    return rows[:45]
+
+
+def profile_stage(stage, cfg, dev, steps, warmup, python_profile=False, extra_zero=None):
     import deepspeed
     from torch.profiler import ProfilerActivity, profile
 
@@ -36,7 +58,7 @@ def profile_stage(stage, cfg, dev, steps, warmup):
     model = GPT(**cfg)
     ds_cfg = {"train_micro_batch_size_per_gpu": cfg["batch"], "gradient_clipping": 1.0, "steps_per_print": 0,
               "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "zero_optimization": {"stage": stage}}
+              "zero_optimization": {"stage": stage, **(extra_zero or {})}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g).to(dev)
@@ -67,6 +89,7 @@ def profile_stage(stage, cfg, dev, steps, warmup):
             torch.cuda.synchronize()
     ka = prof.key_averages()
     per = float(steps)
+    py_top = _python_profile(step, dev, steps) if python_profile else None
 
     def row(e, cuda):
         r = {"name": e.key[:80], "calls_per_step": round(e.count / per, 1),
@@ -90,6 +113,8 @@ def profile_stage(stage, cfg, dev, steps, warmup):
            "kernel_launches_per_step": round(launches / per, 1),
            "top_self_cpu": [row(e, cuda) for e in top_cpu], "top_self_device": [row(e, cuda) for e in top_dev],
            "blocking": blocking, "blocking_stacks": stacks[:15]}
+    if py_top is not None:
+        out["python_top_own_time"] = py_top
     engine.destroy()
     return out
 
@@ -101,6 +126,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--python-profile", action="store_true",
+                    help="also cProfile the steps: Python functions by own time per step")
+    ap.add_argument("--zero", default=None, help="extra zero_optimization keys as JSON, e.g. "
+                    "'{\"stage3_param_persistence_threshold\": 0}'")
     args = ap.parse_args(argv)
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     size = args.size or ("full" if dev.type == "cuda" else "tiny")
@@ -121,7 +150,8 @@ def main(argv=None):
            "torch": torch.__version__, "size": size, "model": SIZES[size], "stages": {}}
     for st in args.stages:
         try:
-            res["stages"][str(st)] = profile_stage(st, SIZES[size], dev, args.steps, args.warmup)
+            res["stages"][str(st)] = profile_stage(st, SIZES[size], dev, args.steps, args.warmup, args.python_profile,
+                                                   json.loads(args.zero) if args.zero else None)
         except Exception as err:   # noqa: BLE001 - record and go on with the next stage
             res["stages"][str(st)] = {"error": f"{type(err).__name__}: {err}"}
     text = json.dumps(res, indent=1)

@@ -43,8 +43,8 @@ from collections import OrderedDict
 
 import torch
 
-from .partitioned_param import (ZeroParamStatus, gather_params, module_params_to_fetch, register_external_parameter,
-                                release_param, wait_available)
+from .partitioned_param import (ZeroParamStatus, gather_params, invalidate_fetch_lists, module_params_to_fetch,
+                                register_external_parameter, release_param, wait_available)
 
 FWD, BWD = 0, 1
 _WINDOW = 64            # trace events looked ahead for prefetching
@@ -80,6 +80,28 @@ class ZeROOrderedDict(OrderedDict):
             _fetch_for_running_module(param)
         return param
 
+    # what a module fetches is cached (module_params_to_fetch): any change of its parameters
+    # invalidates the cached lists
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        invalidate_fetch_lists()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        invalidate_fetch_lists()
+
+    def pop(self, *args):
+        invalidate_fetch_lists()
+        return super().pop(*args)
+
+    def popitem(self, last=True):
+        invalidate_fetch_lists()
+        return super().popitem(last)
+
+    def clear(self):
+        invalidate_fetch_lists()
+        super().clear()
+
 
 def _fetch_for_running_module(param) -> None:
     if torch.compiler.is_compiling():
@@ -100,6 +122,7 @@ def ensure_zero_ordered_dict(module: torch.nn.Module) -> None:
     if "_original_parameters" not in module.__dict__:
         module.__dict__["_original_parameters"] = params
     module.__dict__["_parameters"] = ZeROOrderedDict(module, params)
+    invalidate_fetch_lists()
 
 
 def _restore_parameters_dict(module: torch.nn.Module) -> None:
@@ -263,9 +286,8 @@ class ParameterCoordinator:
         if phase == FWD:
             self._fwd_pos[id(module)] = pos
         wait_available(params)
-        what = f"module '{self.names.get(id(module), type(module).__name__)}' " \
-               f"({'forward' if phase == FWD else 'backward'})"
-        if gather_params(params, what=what, alias=True, secondary=True):
+        if gather_params(params, what=lambda: f"module '{self.names.get(id(module), type(module).__name__)}' "
+                         f"({'forward' if phase == FWD else 'backward'})", alias=True, secondary=True):
             self.gathers += 1
         for p in params:
             self.live[id(p)] = p

@@ -148,6 +148,7 @@ def convert_param(p: torch.nn.Parameter, spec: PartitionSpec, persist: bool = Fa
     part.ds_numel = s
     p.ds_tensor = part
     p.ds_persist = bool(persist) or n == 0
+    invalidate_fetch_lists()
     if p.ds_persist:
         p.ds_status = ZeroParamStatus.AVAILABLE
         if full.device != spec.device:
@@ -341,7 +342,7 @@ def _gather_quantized(comm, todo, what: str):
     scales = torch.cat([p._z3_q[1] for p in todo])
     nb, blk = codes.shape
     base.check(KIND_GATHER, [p.ds_id for p in todo], ws * (codes.numel() + scales.numel()),
-               (what + " (quantized frozen weights)") if what else base.describe(todo))
+               lambda: (_render(what) + " (quantized frozen weights)") if what else base.describe(todo))
     all_codes = torch.empty((ws, nb, blk), dtype=torch.int8, device=codes.device)
     all_scales = torch.empty((ws, nb), dtype=torch.float32, device=codes.device)
     base.all_gather_into(all_codes.view(-1), codes.view(-1))
@@ -442,7 +443,13 @@ def _alias_partitions(todo) -> list:
     return rest
 
 
-def gather_params(params, async_op: bool = False, what: str = "", alias: bool = False, secondary: bool = False):
+def _render(what) -> str:
+    """A collective's description: given as a string or, on the hot path, a callable that makes
+    it (rendered only for an error message)."""
+    return what() if callable(what) else what
+
+
+def gather_params(params, async_op: bool = False, what="", alias: bool = False, secondary: bool = False):
     """Start (and unless ``async_op``, finish) gathering every NOT_AVAILABLE param in ``params``.
 
     Collective: every rank of the parameters' group must call it with the same params.
@@ -490,7 +497,7 @@ def gather_params(params, async_op: bool = False, what: str = "", alias: bool = 
         rest = [p for p in todo if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         return gather_params(rest, async_op, what) if rest else None
     comm.check(KIND_GATHER, [p.ds_id for p in todo], sum(p.ds_tensor.numel() for p in todo) * comm.world_size,
-               what or comm.describe(todo))
+               lambda: _render(what) or comm.describe(todo))
     held = []
     flat = None
     try:
@@ -557,7 +564,7 @@ def _gather_secondary(todo, async_op: bool, what: str):
     comm = todo[0]._z3.sec_comm
     sizes = [p._z3_sec.numel() for p in todo]
     comm.check(KIND_GATHER, [p.ds_id for p in todo], sum(sizes) * comm.world_size,
-               (what + " from hpZ secondary partitions") if what else comm.describe(todo))
+               lambda: (_render(what) + " from hpZ secondary partitions") if what else comm.describe(todo))
     for p in todo:
         _set_inflight(p)
     try:
@@ -657,18 +664,37 @@ def broadcast_and_repartition(params, src_rank: int) -> None:
 
 # ---------------------------------------------------------------- module-level helpers
 
+#: bumped whenever what a module fetches may change (a module's parameters set or deleted, a
+#: parameter partitioned or made persistent, an external parameter registered): the cached
+#: lists of :func:`module_params_to_fetch` are rebuilt after it moves
+_FETCH_VERSION = [0]
+
+
+def invalidate_fetch_lists() -> None:
+    _FETCH_VERSION[0] += 1
+
+
 def module_params_to_fetch(module) -> list:
     """The partitioned, non-persistent params a module's forward needs: its own and the
     external ones registered on it. A ZeRO-3 leaf module (``deepspeed.utils.set_z3_leaf_modules``)
-    fetches its whole subtree at once; the modules inside it fetch nothing themselves."""
-    if module.__dict__.get("_z3_inside_leaf"):
-        return []
-    own = module.parameters() if module.__dict__.get("_z3_leaf") else module._parameters.values()
-    out = [p for p in own if p is not None and is_zero_param(p) and not p.ds_persist]
-    ext = module.__dict__.get("_external_params")
-    if ext:
-        out.extend(p for p in ext.values()
-                   if is_zero_param(p) and not p.ds_persist and all(p is not q for q in out))
+    fetches its whole subtree at once; the modules inside it fetch nothing themselves.
+    The list is cached on the module (the hooks ask for it three times per module per step) and
+    is shared: callers must not change it."""
+    d = module.__dict__
+    key = (_FETCH_VERSION[0], d.get("_z3_leaf"), d.get("_z3_inside_leaf"))
+    cached = d.get("_z3_fetch_cache")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if d.get("_z3_inside_leaf"):
+        out = []
+    else:
+        own = module.parameters() if d.get("_z3_leaf") else module._parameters.values()
+        out = [p for p in own if p is not None and is_zero_param(p) and not p.ds_persist]
+        ext = d.get("_external_params")
+        if ext:
+            out.extend(p for p in ext.values()
+                       if is_zero_param(p) and not p.ds_persist and all(p is not q for q in out))
+    d["_z3_fetch_cache"] = (key, out)
     return out
 
 
@@ -683,6 +709,7 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
         raise TypeError(f"register_external_parameter: 'parameter' must be a torch.nn.Parameter, "
                         f"got {type(parameter).__name__}.")
     module.__dict__.setdefault("_external_params", {})[id(parameter)] = parameter
+    invalidate_fetch_lists()
 
 
 def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
@@ -691,3 +718,4 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
         raise ValueError("unregister_external_parameter: the parameter was not registered as external "
                          f"on {type(module).__name__}.")
     del ext[id(parameter)]
+    invalidate_fetch_lists()

@@ -33,7 +33,8 @@ from .estimators import estimate_zero3_model_states_mem_needs_all_cold  # noqa: 
 from .estimators import estimate_zero3_model_states_mem_needs_all_live  # noqa: F401
 from .parameter_offload import ParameterCoordinator
 from .partitioned_param import (PartitionSpec, ZeroParamStatus, _flat_input, convert_param, gather_params,
-                                is_quantized, is_zero_param, quantize_partition, release_param)
+                                invalidate_fetch_lists, is_quantized, is_zero_param, quantize_partition,
+                                release_param)
 from .stage3_comm import KIND_GATHER, KIND_STEP, comm_for
 from .stage3_fragments import Stage3StateAccess
 from .stage3_grads import GradReducer
@@ -153,7 +154,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
                                    predivide=cfg.model.gradient_predivide_factor,
                                    max_columns=sum(c.numel for c in self.parts.chunks),
                                    sink_many=self.parts.accumulate_many, order=self.parts.slot_order,
-                                   replica=self.replica_comm)
+                                   replica=self.replica_comm, direct=not off_opt)
         self.coordinator = ParameterCoordinator(module, z.prefetch_bucket_size, z.max_live_parameters,
                                                 z.max_reuse_distance)
         seen = set()
@@ -213,6 +214,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
             for p in to_persist:
                 p.ds_persist = True
                 p._z3.gathered -= p.ds_numel   # whole for good: not part of the gathered working set
+            invalidate_fetch_lists()
 
     @staticmethod
     def _dtype_of(p):

@@ -100,8 +100,9 @@ class CheckedComm:
                         "(deepspeed.zero.GatheredParameters or engine.save_16bit_model).")
 
     # -- checking ------------------------------------------------------------------------
-    def check(self, kind: int, ids, numel: int, what: str = "") -> None:
-        """Exchange a header describing the next collective; raise if ranks disagree."""
+    def check(self, kind: int, ids, numel: int, what="") -> None:
+        """Exchange a header describing the next collective; raise if ranks disagree. ``what``
+        (a string, or a callable that makes it) is only rendered for an error message."""
         if not self.active:
             return
         self.seq += 1
@@ -112,6 +113,7 @@ class CheckedComm:
             _all_gather_1(out, hdr, group=self.header_group)
         except RuntimeError as err:   # a peer died, or waits in a collective that is not ZeRO-3's
             from ...comm.timeouts import mark_failed, step_text
+            what = what() if callable(what) else what
             mark_failed()   # the group is broken: the exit hook leaves at once
             raise ZeroCollectiveTimeoutError(
                 f"ZeRO stage 3: collective #{self.seq} ({KIND_NAMES.get(kind, kind)}"
@@ -124,6 +126,7 @@ class CheckedComm:
             return
         # Every rank sees the same rows, so every rank takes this branch: exchanging the
         # descriptions is itself a matched collective.
+        what = what() if callable(what) else what
         mine = f"{KIND_NAMES.get(kind, kind)}" + (f" for {what}" if what else "") + f" ({numel} elements)"
         descs = [None] * self.world_size
         dist.all_gather_object(descs, mine, group=self.header_group)

@@ -9,7 +9,8 @@ one fused ``torch._chunk_cat`` lays them out as an ``(N, cols)`` buffer whose ro
 gradients are dropped, and the buffer is reduce-scattered asynchronously (its rows
 are the per-rank inputs). Pending gradients and their laid-out copy together stay
 within ``reduce_bucket_size`` elements; one such buffer reduces while the next
-fills. Each rank receives its averaged slice of every parameter
+fills (with one rank and no replicas there is nothing to reduce: each gradient goes straight
+into its partition's gradient). Each rank receives its averaged slice of every parameter
 of the bucket. The columns are ordered by the owner's layout (``order``), so a
 ``sink_many`` can add runs of adjacent partitions with one operation each; without
 it, ``sink(param, slice)`` per parameter. No per-parameter copy on the hot path.
@@ -30,11 +31,13 @@ class _Bucket:
         self.fill = buf.shape[1]
         self.out = None
         self.work = None
+        self.nbytes = 0
 
 
 class GradReducer:
     def __init__(self, comm: CheckedComm, bucket_size: int, sink, *, overlap: bool = True, comm_dtype=None,
-                 predivide: float = 1.0, max_columns: int = None, sink_many=None, order=None, replica=None):
+                 predivide: float = 1.0, max_columns: int = None, sink_many=None, order=None, replica=None,
+                 direct: bool = True):
         self.comm = comm
         self.replica = replica               # MiCS: the reduced slices are all-reduced across replicas
         self.cap = max(1, int(bucket_size) // comm.world_size)
@@ -48,8 +51,15 @@ class GradReducer:
         self.predivide = float(predivide)
         self.pending = []                    # (param, full gradient, partition size)
         self.pending_cols = 0
+        self.pending_bytes = 0               # the pending gradients and their laid-out copy
         self.inflight = []
+        self.inflight_bytes = 0
         self.launches = 0
+        # one rank, no replicas: nothing to reduce, so no bucket - each gradient is added into its
+        # partition's gradient as it arrives (no copy into a bucket, no memory beyond it). The
+        # owner turns it off where the partitions' gradients live on another device (offload):
+        # there a bucket makes one transfer of many small gradients.
+        self.direct = bool(direct) and comm.world_size == 1 and replica is None
         self.peak_buffer_bytes = 0     # most bucket bytes alive at once (transient memory)
 
     @property
@@ -65,6 +75,9 @@ class GradReducer:
         s = p.ds_tensor.numel()
         if s == 0:
             return
+        if self.direct and (self.comm_dtype is None or self.comm_dtype == grad.dtype) and grad.numel() == s:
+            self.sink(p, grad.reshape(-1))
+            return
         # launched at half a bucket: the pending full gradients and the buffer they are laid out
         # into then fit together in reduce_bucket_size elements, the memory one bucket had when
         # each gradient was copied in on arrival
@@ -73,6 +86,7 @@ class GradReducer:
             self._launch()
         self.pending.append((p, grad, s))
         self.pending_cols += s
+        self.pending_bytes += 2 * s * self.comm.world_size * grad.element_size()
         if self.pending_cols >= half:
             self._launch()
 
@@ -99,21 +113,23 @@ class GradReducer:
 
     def _launch(self) -> None:
         pending, self.pending, self.pending_cols = self.pending, [], 0
+        pending_bytes, self.pending_bytes = self.pending_bytes, 0
         if not pending:
             return
-        if self.order is not None:
+        if self.order is not None and len(pending) > 1:
             pending.sort(key=lambda x: self.order(x[0]))
         params = [p for p, _, _ in pending]
         items, off = [], 0
         for p, _, s in pending:
             items.append((p, off, s))
             off += s
-        self._account(pending)
+        self._account(pending_bytes)
         buf = self._layout(pending)
         del pending              # the full gradients go here: only the laid-out bucket remains
         b = _Bucket(buf, items)
-        self.comm.check(KIND_REDUCE, [p.ds_id for p in params], b.fill * self.comm.world_size,
-                        self.comm.describe(params))
+        if self.comm.active:
+            self.comm.check(KIND_REDUCE, [p.ds_id for p in params], b.fill * self.comm.world_size,
+                            lambda: self.comm.describe(params))
         if self.predivide != 1.0:
             b.buf.div_(self.predivide)
         if self.comm.world_size == 1:     # nothing to reduce: the bucket is this rank's slice
@@ -122,6 +138,9 @@ class GradReducer:
             b.out = torch.empty(b.fill, dtype=b.buf.dtype, device=b.buf.device)
             b.work = self.comm.reduce_scatter_rows(b.out, b.buf, async_op=self.overlap)
         self.inflight.append(b)
+        b.nbytes = b.buf.numel() * b.buf.element_size() + (
+            b.out.numel() * b.out.element_size() if b.out.data_ptr() != b.buf.data_ptr() else 0)
+        self.inflight_bytes += b.nbytes
         self.launches += 1
         self._account()
         if not self.overlap:
@@ -129,15 +148,16 @@ class GradReducer:
         while len(self.inflight) > _MAX_INFLIGHT:
             self._finish_oldest()
 
-    def _account(self, pending=()) -> None:
-        n = sum(x.buf.numel() * x.buf.element_size() + (x.out.numel() * x.out.element_size() if x.out is not None
-                                                         else 0) for x in self.inflight)
-        # while a bucket is laid out: its pending full gradients and the (N, cols) buffer
-        n += sum(s * self.comm.world_size * g.element_size() * 2 for _, g, s in pending)
-        self.peak_buffer_bytes = max(self.peak_buffer_bytes, n)
+    def _account(self, pending_bytes: int = 0) -> None:
+        # the buckets in flight, and while a bucket is laid out: its pending full gradients and
+        # the (N, cols) buffer (counters kept as buckets come and go: no pass over them per launch)
+        n = self.inflight_bytes + pending_bytes
+        if n > self.peak_buffer_bytes:
+            self.peak_buffer_bytes = n
 
     def _finish_oldest(self) -> None:
         b = self.inflight.pop(0)
+        self.inflight_bytes -= b.nbytes
         if b.work is not None:
             b.work.wait()
         scale = self.predivide / self.comm.world_size
