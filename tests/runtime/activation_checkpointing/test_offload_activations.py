@@ -2,10 +2,10 @@
 
 The reference is plain PyTorch: the same layers, no checkpointing and no offload, on the same
 input. On a CPU machine the accelerator is synchronized (the tensors already live in host
-memory), so the engine rightly moves nothing; most tests here therefore present the CPU as an
-asynchronous accelerator (``_as_async_device``), which runs the real offload path: copies
-into separate host buffers, the originals released, copies back in backward. The CUDA tests
-at the end run the same checks on a GPU with pinned buffers and the side stream.
+memory), so the engine rightly moves nothing; there the ``dev`` fixture presents the CPU as an
+asynchronous accelerator, which runs the real offload path: copies into separate host buffers,
+the originals released, copies back in backward. On a GPU machine ``dev`` is the GPU itself
+(pinned buffers, side-stream copies), and the CUDA tests at the end add the stream and stash cases.
 """
 from __future__ import annotations
 
@@ -29,9 +29,13 @@ D, LAYERS = 16, 4
 
 
 @pytest.fixture
-def _as_async_device(monkeypatch):
-    """The CPU accelerator, reporting itself as not synchronized so the engine offloads."""
-    monkeypatch.setattr(get_accelerator(), "is_synchronized_device", lambda: False)
+def dev(monkeypatch):
+    """The device whose tensors the engine offloads: the accelerator's; on a CPU machine the CPU,
+    with the accelerator reporting itself as not synchronized so the engine offloads."""
+    accel = get_accelerator()
+    if accel.device_name() == "cpu":
+        monkeypatch.setattr(accel, "is_synchronized_device", lambda: False)
+    return accel.device_name()
 
 
 def _layers(device="cpu", seed=3):
@@ -70,9 +74,9 @@ def _assert_same(loss, x, layers, ref, atol=1e-6):
 
 
 @pytest.mark.parametrize("keep_last_count", [0, 1])
-def test_loss_and_gradients_equal_plain_pytorch(_as_async_device, keep_last_count):
-    layers = _layers()
-    x0 = torch.randn(8, D)
+def test_loss_and_gradients_equal_plain_pytorch(dev, keep_last_count):
+    layers = _layers(dev)
+    x0 = torch.randn(8, D, device=dev)
     ref = _reference(layers, x0)
     offload = CheckpointHiddenStatesOffload(min_offload_bytes=0, keep_last_count=keep_last_count)
     for step in range(2):  # the second step reuses the pooled host buffers
@@ -92,9 +96,9 @@ def test_loss_and_gradients_equal_plain_pytorch(_as_async_device, keep_last_coun
     assert offload._cpu_buffer_pool_count == LAYERS - keep_last_count
 
 
-def test_offloaded_inputs_live_in_separate_host_buffers_and_originals_are_released(_as_async_device):
-    layers = _layers()
-    x = torch.randn(8, D, requires_grad=True)
+def test_offloaded_inputs_live_in_separate_host_buffers_and_originals_are_released(dev):
+    layers = _layers(dev)
+    x = torch.randn(8, D, device=dev, requires_grad=True)
 
     # Control: without offload, autograd keeps every checkpoint input alive until backward.
     kept = []
@@ -104,27 +108,28 @@ def test_offloaded_inputs_live_in_separate_host_buffers_and_originals_are_releas
     loss.backward()
     del loss, kept
 
-    offload = CheckpointHiddenStatesOffload(min_offload_bytes=0, keep_last_count=0)
+    offload = CheckpointHiddenStatesOffload(min_offload_bytes=0, keep_last_count=0, max_fwd_stash_count=0)
     kept = []
     with offload:
         loss = _run(layers, x, offload, keep=kept)
         gc.collect()
         # The layer outputs fed to the next checkpoint are gone: only the host copies hold their values.
         assert [r() is None for r in kept[1:]] == [True] * (LAYERS - 1)
+        get_accelerator().synchronize()  # the copies to host may still be in flight on a GPU
         hosts = [record.host for record in offload._tracker.values()]
         assert len(hosts) == LAYERS
         assert len({h.untyped_storage().data_ptr() for h in hosts}) == LAYERS
         assert x.untyped_storage().data_ptr() not in {h.untyped_storage().data_ptr() for h in hosts}
-        torch.testing.assert_close(hosts[0], x.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(hosts[0], x.detach().cpu(), rtol=0, atol=0)
         assert all(h.device.type == "cpu" and h.is_contiguous() for h in hosts)
         loss.backward()
         assert not offload._tracker  # every buffer went back to the pool
     assert offload.stats.restored_tensors == LAYERS
 
 
-def test_unmarked_saved_tensors_pass_through(_as_async_device):
-    layers = _layers()
-    x = torch.randn(8, D, requires_grad=True)
+def test_unmarked_saved_tensors_pass_through(dev):
+    layers = _layers(dev)
+    x = torch.randn(8, D, device=dev, requires_grad=True)
     offload = CheckpointHiddenStatesOffload(min_offload_bytes=0, keep_last_count=0)
     with offload:
         _run(layers, x).backward()
@@ -132,12 +137,12 @@ def test_unmarked_saved_tensors_pass_through(_as_async_device):
     assert offload.stats.offloaded_tensors == 0 and offload.stats.marked_tensors == 0
 
 
-def test_small_overlapping_and_parameter_tensors_stay(_as_async_device):
+def test_small_overlapping_and_parameter_tensors_stay(dev):
     offload = CheckpointHiddenStatesOffload(min_offload_bytes=4 * 8 * D)  # one [8, D] fp32 tensor passes
-    assert offload.offload_input(torch.randn(2, D)) is None                 # below min_offload_bytes
-    assert offload.offload_input(torch.randn(1, D).expand(8, D)) is None     # stride 0: aliased storage
-    assert offload.offload_input(nn.Parameter(torch.randn(8, D))) is None
-    assert offload.offload_input(torch.randn(8, D)) == 1
+    assert offload.offload_input(torch.randn(2, D, device=dev)) is None                 # below min_offload_bytes
+    assert offload.offload_input(torch.randn(1, D, device=dev).expand(8, D)) is None     # stride 0: aliased storage
+    assert offload.offload_input(nn.Parameter(torch.randn(8, D, device=dev))) is None
+    assert offload.offload_input(torch.randn(8, D, device=dev)) == 1
     assert offload.stats.skipped_marked_tensors == 3
 
 
@@ -157,9 +162,9 @@ def test_synchronized_device_moves_nothing():
     assert offload.stats.skipped_marked_tensors == LAYERS and offload.stats.offloaded_tensors == 0
 
 
-def test_retained_graph_runs_backward_twice(_as_async_device):
-    layers = _layers()
-    x = torch.randn(8, D, requires_grad=True)
+def test_retained_graph_runs_backward_twice(dev):
+    layers = _layers(dev)
+    x = torch.randn(8, D, device=dev, requires_grad=True)
     offload = CheckpointHiddenStatesOffload(min_offload_bytes=0, keep_last_count=0)
     with offload:
         loss = _run(layers, x, offload)
@@ -171,9 +176,9 @@ def test_retained_graph_runs_backward_twice(_as_async_device):
     assert offload.stats.restored_tensors == LAYERS  # the second backward reused the restored tensors
 
 
-def test_backward_after_the_block_is_a_clear_error(_as_async_device):
-    layers = _layers()
-    x = torch.randn(8, D, requires_grad=True)
+def test_backward_after_the_block_is_a_clear_error(dev):
+    layers = _layers(dev)
+    x = torch.randn(8, D, device=dev, requires_grad=True)
     offload = CheckpointHiddenStatesOffload(min_offload_bytes=0, keep_last_count=0)
     with offload:
         loss = _run(layers, x, offload)
@@ -276,12 +281,12 @@ def _check_marker(base, device="cpu"):
     layers.zero_grad(set_to_none=True)
     x.grad = None
 
-    original = base.__call__
+    original, owned = base.__call__, base.__dict__.get("__call__")
     offload = CheckpointHiddenStatesOffload(min_offload_bytes=0, keep_last_count=1)
     with offload:
         assert base.__call__ is not original  # the marker is installed while a manager is active
         _hf_loss(layers, x).backward()
-    assert base.__call__ is original and "__call__" not in base.__dict__
+    assert base.__call__ is original and base.__dict__.get("__call__") is owned
     torch.testing.assert_close(x.grad, ref_x, rtol=1e-5, atol=1e-8)
     for layer, g in zip(layers, ref):
         torch.testing.assert_close(layer.fc.weight.grad, g, rtol=1e-5, atol=1e-8)
@@ -295,8 +300,8 @@ def _check_marker(base, device="cpu"):
     assert all(torch.equal(layer.fc.weight, w) for layer, w in zip(layers, plain))
 
 
-def test_marker_offloads_layer_hidden_states_and_is_removed_on_exit(monkeypatch, _as_async_device):
-    _check_marker(_fake_transformers(monkeypatch))
+def test_marker_offloads_layer_hidden_states_and_is_removed_on_exit(monkeypatch, dev):
+    _check_marker(_fake_transformers(monkeypatch), dev)
 
 
 def test_marker_removed_on_exception_and_when_the_last_manager_exits(monkeypatch):
@@ -316,9 +321,9 @@ def test_marker_removed_on_exception_and_when_the_last_manager_exits(monkeypatch
 
 
 @pytest.mark.slow
-def test_marker_with_real_transformers(_as_async_device):
+def test_marker_with_real_transformers(dev):
     transformers = pytest.importorskip("transformers")
-    _check_marker(transformers.GradientCheckpointingLayer)
+    _check_marker(transformers.GradientCheckpointingLayer, dev)
 
 
 # -- on a GPU: pinned buffers, the side stream, the stash ------------------------------------------
