@@ -19,7 +19,10 @@ Parts (this file):
   run on a side stream, so they overlap compute; the last ``max_fwd_stash_count``
   offloaded device tensors are held until a later offload (a backward that comes
   first uses the device copy and skips the copy back). Without streams (or with
-  ``use_streams=False``) the copies are ordered on the compute stream.
+  ``use_streams=False``) the copies are ordered on the compute stream. A restored
+  tensor is held only weakly afterwards (its host copy is kept until the block exits,
+  for a retained graph's second backward), so backward brings the inputs back one
+  checkpoint at a time instead of accumulating them on the device.
 
 Nothing is moved on a synchronized device (the CPU: the tensor already lives in
 host memory), nor tensors below ``min_offload_bytes``, parameters, buffers,
@@ -33,9 +36,10 @@ The consumer is :class:`~.offload_activations.CheckpointHiddenStatesOffload`
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -150,7 +154,10 @@ class HostOffloadEngine:
         self._keep_last: "OrderedDict[int, torch.Tensor]" = OrderedDict()  # newest marked, not moved
         self._tracker: Dict[int, OffloadedTensor] = {}                      # moved to host
         self._fwd_stash: "OrderedDict[int, Tuple[torch.Tensor, object]]" = OrderedDict()
-        self._restored: Dict[int, torch.Tensor] = {}                        # for a retained graph's 2nd backward
+        # Restored by the unpack hook, kept until the block exits for a retained graph's second backward:
+        # the device tensor (weakly, or as is for a never-moved one) and the host copy it came from.
+        self._restored: Dict[int, Union[torch.Tensor, "weakref.ref"]] = {}
+        self._restored_host: Dict[int, OffloadedTensor] = {}
         accel = get_accelerator()
         self.s1 = accel.Stream() if use_streams and not accel.is_synchronized_device() else None
         self.use_streams = self.s1 is not None
@@ -223,34 +230,56 @@ class HostOffloadEngine:
 
     # -- restore --------------------------------------------------------------------------------
     def restore_input(self, tensor_id: int) -> torch.Tensor:
-        """The tensor behind ``tensor_id``, on its device, for one use (the id is then forgotten)."""
+        """The tensor behind ``tensor_id``, on its device, for one use (the id is then forgotten and
+        its host buffer goes back to the pool)."""
         return self._restore_tensor(tensor_id, cache=False)
 
     def _restore_tensor(self, tensor_id: int, cache: bool = True) -> torch.Tensor:
+        """The tensor behind ``tensor_id`` on its device.
+
+        With ``cache`` (the saved-tensor hook's unpack) the id stays valid until the block exits, so a
+        graph kept with ``retain_graph=True`` can run backward again; but the restored device tensor is
+        held only weakly (a strong cache would put every checkpoint input back on the device by the end
+        of backward): the host copy is kept instead, and copied back again if a second backward asks
+        after the first one's tensor was freed. Tensors never moved (the newest ``keep_last_count``)
+        are held as they are.
+        """
         if cache and tensor_id in self._restored:
-            return self._restored[tensor_id]
+            held = self._restored[tensor_id]
+            tensor = held() if isinstance(held, weakref.ref) else held
+            if tensor is None:  # freed after the first backward: copy back again from the kept host copy
+                tensor = self._copy_back(self._restored_host[tensor_id], release=False)
+                self._restored[tensor_id] = weakref.ref(tensor)
+            return tensor
         if tensor_id in self._keep_last:
             tensor = self._keep_last.pop(tensor_id)
             self.stats.kept_last_tensors += 1
-        elif tensor_id in self._fwd_stash:
-            tensor, _ = self._fwd_stash.pop(tensor_id)
-            record = self._tracker.pop(tensor_id)
-            # Later copies into this buffer run on the same side stream, after this one.
-            self._pool.give(record.key, record.host)
-            self._count_restored(tensor)
-        else:
-            tensor = self._copy_back(tensor_id)
-            self._count_restored(tensor)
-        if cache:
-            self._restored[tensor_id] = tensor
-        return tensor
-
-    def _copy_back(self, tensor_id: int) -> torch.Tensor:
+            if cache:
+                self._restored[tensor_id] = tensor
+            return tensor
         record = self._tracker.pop(tensor_id, None)
         if record is None:
             raise RuntimeError(
                 f"{_OWNER}: offloaded activation {tensor_id} is no longer held. Run backward() inside the same "
                 f"`with` block as its forward (leaving the block, or reset(), releases what was offloaded).")
+        stashed = self._fwd_stash.pop(tensor_id, None)
+        if stashed is not None:
+            # Its device tensor is still alive: no copy back. Later copies into the host buffer run on
+            # the same side stream, after the one that filled it.
+            tensor = stashed[0]
+            if not cache:
+                self._pool.give(record.key, record.host)
+        else:
+            tensor = self._copy_back(record, release=not cache)
+        if cache:
+            self._restored_host[tensor_id] = record
+            self._restored[tensor_id] = weakref.ref(tensor)
+        self.stats.restored_tensors += 1
+        self.stats.restored_bytes += _nbytes(tensor)
+        return tensor
+
+    def _copy_back(self, record: OffloadedTensor, release: bool) -> torch.Tensor:
+        """A new device tensor with ``record``'s values (its host buffer back to the pool if ``release``)."""
         with self._on(self._copy_stream()):
             # Fresh storage at offset 0 with the original strides (views and strided tensors come back alike).
             tensor = torch.empty_strided(record.size, record.stride, dtype=record.host.dtype, device=record.device)
@@ -260,14 +289,11 @@ class HostOffloadEngine:
             compute = self.compute_stream
             compute.wait_event(done)
             tensor.record_stream(compute)
-            self._pool.give_after(record.key, record.host, done)
-        else:
+            if release:
+                self._pool.give_after(record.key, record.host, done)
+        elif release:
             self._pool.give(record.key, record.host)
         return tensor
-
-    def _count_restored(self, tensor: torch.Tensor) -> None:
-        self.stats.restored_tensors += 1
-        self.stats.restored_bytes += _nbytes(tensor)
 
     # -- lifetime -------------------------------------------------------------------------------
     def _sync_and_clear(self) -> None:
@@ -275,9 +301,10 @@ class HostOffloadEngine:
         if self.use_streams:
             self.s1.synchronize()
         self._pool.collect(wait=self.use_streams)
-        for record in self._tracker.values():
+        for record in (*self._tracker.values(), *self._restored_host.values()):
             self._pool.give(record.key, record.host)
         self._tracker.clear()
+        self._restored_host.clear()
         self._fwd_stash.clear()
         self._keep_last.clear()
         self._restored.clear()
