@@ -8,9 +8,10 @@ Gating (per forward call, over the ``S`` tokens this rank holds, ``E`` experts):
   when ``top2_2nd_expert_sampling``); weights renormalised over the kept choices;
   ``C = max(ceil(2 S / E * capacity_factor), min_capacity)``; every first choice is
   placed before any second choice.
-* **top-k** (k > 2): the ``k`` largest logits; choice ``i`` of every token is placed before
-  choice ``i+1`` of any; weights renormalised over kept choices;
-  ``C = max(ceil(k S / E * capacity_factor), min_capacity)``.
+* **top-k** (k > 2, ``topkgating``): the ``k`` most probable experts; weights renormalised over
+  the kept choices; ``C = max(ceil(k S / E * capacity_factor), min_capacity)``. Over capacity,
+  ``drop_policy="probs"`` (DeepSpeed's default) keeps each expert's ``C`` routes with the largest
+  gate values, ``"position"`` its first ``C`` tokens; an expert's slots follow token order.
 
 Token dropping: an expert keeps at most ``C`` assignments. Without random token
 selection the earliest tokens win (position order); with ``use_rts`` (top-1) the
@@ -24,7 +25,10 @@ U(1-1e-2, 1+1e-2); ``"RSample"`` adds Gumbel noise to the logits used to pick th
 top-1 expert. All randomness comes from torch's global generator (seeded: repeatable).
 
 Dispatch/combine: the gate returns DeepSpeed's dense ``combine_weights`` /
-``dispatch_mask`` of shape ``[S, E, C]``. ``MOELayer`` sends only the occupied slots
+``dispatch_mask`` of shape ``[S, E, C]`` (or, with ``sparse_routes=True``, DeepSpeed 0.19's
+per-route form ``(l_aux, C, E, indices, locations, gates, exp_counts)``, ``[k, S]`` each, which
+``_route_slots`` / ``_sparse_encode`` / ``_sparse_decode`` turn into the expert input and the
+combined output without the ``[S, E, C]`` tensors). ``MOELayer`` sends only the occupied slots
 (expert-major, slot order) to the ranks that own those experts with one
 ``all_to_all_single`` whose split sizes are the exact per-rank counts (uneven when the
 routing is), runs each local expert on its tokens (also when it got none, so every
@@ -112,9 +116,49 @@ def _assemble(weights, kept, slots, num_experts, capacity, dense=True):
     return combine, dispatch, (e_idx, c_idx, s_idx, w)
 
 
+def _routes(kept, slots, weights, capacity, num_experts, exp_counts, l_aux):
+    """DeepSpeed's ``sparse_routes=True`` result: ``(l_aux, capacity, num_experts, indices, locations,
+    gates, exp_counts)`` with one row per choice (``[k, S]``): the expert of each route (int32, -1 when
+    the capacity limit evicted it), its slot in that expert's buffer (int32, 0 when evicted) and its
+    combine weight (0 when evicted)."""
+    idx = torch.stack([torch.where(m.sum(dim=1) > 0, m.argmax(dim=1), torch.full_like(m[:, 0], -1))
+                       for m in kept]).to(torch.int32)
+    return (l_aux, capacity, num_experts, idx, torch.stack(slots).to(torch.int32), torch.stack(weights), exp_counts)
+
+
+def _route_slots(indices: torch.Tensor, locations: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """Flat slot ``expert * capacity + location`` of every route in the ``[E * C]`` expert buffer
+    (``[k, S]`` long); an evicted route (expert -1) points at the extra slot ``E * C``."""
+    flat = indices.long() * capacity + locations.long()
+    return torch.where(indices >= 0, flat, torch.full_like(flat, num_experts * capacity))
+
+
+def _sparse_encode(reshaped_input: torch.Tensor, slots: torch.Tensor, num_experts: int,
+                   capacity: int) -> torch.Tensor:
+    """The ``[E, C, M]`` expert input: token ``s`` copied to every slot its routes hold, zeros in
+    the slots nothing was routed to (what the dense ``einsum('sec,sm->ecm', dispatch_mask, x)`` gives)."""
+    num_tokens, d_model = reshaped_input.shape
+    buf = reshaped_input.new_zeros(num_experts * capacity + 1, d_model)      # + the eviction slot
+    tokens = torch.arange(num_tokens, device=slots.device).expand_as(slots)
+    buf.index_copy_(0, slots.reshape(-1), reshaped_input.index_select(0, tokens.reshape(-1)))
+    return buf[:-1].view(num_experts, capacity, d_model)
+
+
+def _sparse_decode(expert_output: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor,
+                   num_tokens: int) -> torch.Tensor:
+    """``[S, M]``: each token's expert outputs (``expert_output`` is ``[E * C, M]``) weighted by its
+    routes' gates and summed, in fp32, cast back to the output's dtype (the dense
+    ``einsum('sec,ecm->sm', combine_weights, y)``); evicted routes contribute nothing."""
+    d_model = expert_output.shape[-1]
+    padded = torch.cat([expert_output, expert_output.new_zeros(1, d_model)])
+    picked = padded.index_select(0, slots.reshape(-1)).view(slots.shape[0], num_tokens, d_model)
+    return (picked.float() * gates.float().unsqueeze(-1)).sum(dim=0).to(expert_output.dtype)
+
+
 def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token=None,
                noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True, use_rts: bool = True,
-               ep_group=None, return_assignments: bool = False, dense: bool = True, *, use_tutel: bool = False):
+               ep_group=None, sparse_routes: bool = False, use_tutel: bool = False, *,
+               return_assignments: bool = False, dense: bool = True):
     if use_tutel:   # DeepSpeed's keyword: Tutel's fused dispatch format, which needs the tutel package
         raise ValueError("top1gating(use_tutel=True) needs Microsoft's tutel package, which this deepspeed does not "
                          "use (TUTEL_INSTALLED is False); call it with use_tutel=False.")
@@ -145,13 +189,16 @@ def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
         capacity = max(_max_over_group(int(mask.sum(dim=0).max().item()), ep_group), 1)
         capacity_for_pos = None
     kept, slots = _positions([mask], capacity_for_pos)
-    combine, dispatch, sparse = _assemble([(gates * kept[0]).sum(dim=1)], kept, slots, E, capacity, dense)
+    weights = [(gates * kept[0]).sum(dim=1)]
+    if sparse_routes:
+        return _routes(kept, slots, weights, capacity, E, exp_counts, l_aux)
+    combine, dispatch, sparse = _assemble(weights, kept, slots, E, capacity, dense)
     return (l_aux, combine, dispatch, exp_counts) + ((sparse,) if return_assignments else ())
 
 
 def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group=None, top2_2nd_expert_sampling: bool = True, return_assignments: bool = False,
-               dense: bool = True):
+               ep_group=None, top2_2nd_expert_sampling: bool = True, sparse_routes: bool = False, *,
+               return_assignments: bool = False, dense: bool = True):
     S, E = logits.shape
     gates = F.softmax(logits, dim=1)
     idx1 = torch.argmax(gates, dim=1)
@@ -172,32 +219,47 @@ def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
     g1 = (gates * kept[0]).sum(dim=1)
     g2 = (gates * kept[1]).sum(dim=1)
     denom = torch.clamp(g1 + g2, min=torch.finfo(gates.dtype).eps)
+    if sparse_routes:
+        return _routes(kept, slots, [g1 / denom, g2 / denom], capacity, E, exp_counts, l_aux)
     combine, dispatch, sparse = _assemble([g1 / denom, g2 / denom], kept, slots, E, capacity, dense)
     return (l_aux, combine, dispatch, exp_counts) + ((sparse,) if return_assignments else ())
 
 
 def topkgating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group=None, return_assignments: bool = False, dense: bool = True):
+               ep_group=None, drop_policy: str = "probs", sparse_routes: bool = False, *,
+               return_assignments: bool = False, dense: bool = True):
     S, E = logits.shape
     if not 1 <= k <= E:
         raise ValueError(f"TopKGate: k={k} must be between 1 and num_experts={E}.")
+    if drop_policy not in ("probs", "position"):
+        raise ValueError(f"topkgating: drop_policy must be 'probs' or 'position', got {drop_policy!r}")
     gates = F.softmax(logits, dim=1)
-    top = torch.topk(logits, k=k, dim=1).indices              # [S, k], best first
-    masks = [F.one_hot(top[:, i], E).long() for i in range(k)]
-    total = sum(masks)
-    exp_counts = total.sum(dim=0).detach().cpu()
+    top_gate, top = torch.topk(gates, k=k, dim=1)             # [S, k], best first
+    chosen = torch.zeros(S, E, dtype=torch.long, device=logits.device).scatter_(1, top, 1)
+    exp_counts = chosen.sum(dim=0).detach().cpu()
     me = gates.mean(dim=0)
-    ce = total.float().mean(dim=0)
+    ce = chosen.float().mean(dim=0)
     l_aux = torch.mean(me * ce) * E * E / k
     if drop_tokens:
         capacity = _capacity(S, E, k * capacity_factor, min_capacity)
-        kept, slots = _positions(masks, capacity)
+        if drop_policy == "probs":     # each expert keeps the `capacity` routes with the largest gate values
+            score = torch.zeros_like(gates).scatter(1, top, top_gate)
+            best = torch.topk(score, k=min(capacity, S), dim=0, sorted=False).indices
+            chosen = chosen * torch.zeros_like(chosen).scatter_(0, best, 1)
+        else:                          # "position": each expert keeps its first `capacity` tokens
+            chosen = chosen * ((torch.cumsum(chosen, dim=0) - 1) < capacity).long()
     else:
-        capacity = max(_max_over_group(int(total.sum(dim=0).max().item()), ep_group), 1)
-        kept, slots = _positions(masks, None)
+        capacity = max(_max_over_group(int(chosen.sum(dim=0).max().item()), ep_group), 1)
+    # slots in token order over every kept route of an expert (DeepSpeed's layout)
+    where_ = (torch.cumsum(chosen, dim=0) - 1) * chosen
+    kept = [F.one_hot(top[:, i], E).long() * chosen for i in range(k)]
+    slots = [(where_ * m).sum(dim=1) for m in kept]
     ws = [(gates * m).sum(dim=1) for m in kept]
     denom = torch.clamp(sum(ws), min=torch.finfo(gates.dtype).eps)
-    combine, dispatch, sparse = _assemble([w / denom for w in ws], kept, slots, E, capacity, dense)
+    ws = [w / denom for w in ws]
+    if sparse_routes:
+        return _routes(kept, slots, ws, capacity, E, exp_counts, l_aux)
+    combine, dispatch, sparse = _assemble(ws, kept, slots, E, capacity, dense)
     return (l_aux, combine, dispatch, exp_counts) + ((sparse,) if return_assignments else ())
 
 
@@ -238,11 +300,19 @@ class TopKGate(torch.nn.Module):
     def _set_ep_group(self, ep_group):
         self.ep_group = ep_group
 
-    def forward(self, input: torch.Tensor, used_token: Optional[torch.Tensor] = None, use_tutel: bool = False):
-        """DeepSpeed's contract: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
+    def forward(self, input: torch.Tensor, used_token: Optional[torch.Tensor] = None, sparse_routes: bool = False,
+                use_tutel: bool = False):
+        """DeepSpeed's contract: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``; with
+        ``sparse_routes`` the per-route form ``(l_aux, capacity, num_experts, indices, locations,
+        gates, exp_counts)`` (see ``_routes``)."""
+        if use_tutel:
+            raise ValueError("TopKGate(use_tutel=True) needs Microsoft's tutel package, which this deepspeed does "
+                             "not use (TUTEL_INSTALLED is False).")
+        if sparse_routes:
+            return self._route(input, used_token, sparse_routes=True)
         return self._route(input, used_token, dense=True)
 
-    def _route(self, input, used_token=None, dense=True):
+    def _route(self, input, used_token=None, dense=True, sparse_routes=False):
         """Routing; also leaves the sparse form (expert, slot, token, weight) of the occupied
         slots in ``last_assignments``. ``dense=False`` skips the [S, E, C] tensors (None)."""
         t0 = time.perf_counter() if self.wall_clock_breakdown else None
@@ -251,17 +321,18 @@ class TopKGate(torch.nn.Module):
             x = multiplicative_jitter(x)
         logits = F.linear(x, self.wg.weight.float())
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
+        ask = dict(sparse_routes=True) if sparse_routes else dict(return_assignments=True, dense=dense)
         if self.k == 1:
             out = top1gating(logits, cf, self.min_capacity, used_token,
                              self.noisy_gate_policy if self.training else None, self.drop_tokens,
-                             self.use_rts, self.ep_group, return_assignments=True, dense=dense)
+                             self.use_rts, self.ep_group, **ask)
         elif self.k == 2:
             out = top2gating(logits, cf, self.min_capacity, self.drop_tokens, self.ep_group,
-                             self.top2_2nd_expert_sampling and self.training, return_assignments=True, dense=dense)
+                             self.top2_2nd_expert_sampling and self.training, **ask)
         else:
-            out = topkgating(logits, self.k, cf, self.min_capacity, self.drop_tokens, self.ep_group,
-                             return_assignments=True, dense=dense)
-        self.last_assignments, out = out[4], out[:4]
+            out = topkgating(logits, self.k, cf, self.min_capacity, self.drop_tokens, self.ep_group, **ask)
+        if not sparse_routes:
+            self.last_assignments, out = out[4], out[:4]
         if t0 is not None:
             self.gate_time = (time.perf_counter() - t0) * 1000.0
         return out

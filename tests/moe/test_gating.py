@@ -69,9 +69,11 @@ def test_top2_hand_computed():
 def test_topk_general_matches_top2_and_k3():
     torch.manual_seed(0)
     logits = torch.randn(12, 4)
-    _, c2, d2, _ = top2gating(logits, 1.0, 0, top2_2nd_expert_sampling=False)
-    _, ck, dk, _ = topkgating(logits, 2, 1.0, 0)
-    assert torch.allclose(c2, ck) and torch.equal(d2, dk)
+    _, c2, _, _ = top2gating(logits, 10.0, 0, top2_2nd_expert_sampling=False)
+    _, ck, _, _ = topkgating(logits, 2, 10.0, 0)
+    # nothing dropped: the same experts and weights per token (slots differ: top-2 places every first
+    # choice before any second one, top-k follows token order, as DeepSpeed's)
+    assert torch.allclose(c2.sum(dim=2), ck.sum(dim=2))
     _, c3, _, counts = topkgating(logits, 3, 10.0, 0)             # nothing dropped at a large factor
     top3 = torch.topk(logits, 3, dim=1).indices
     p = F.softmax(logits, dim=1)
@@ -197,3 +199,44 @@ def test_expert_parallel_rank_layout_matches_deepspeed_example():
     assert ep == [[0, 1], [2, 3]] and edp == [[0, 2], [1, 3]]
     with pytest.raises(ValueError, match="ep_size 3"):
         groups._get_expert_parallel_ranks(4, 1, 3)
+
+
+def test_topk_drop_policies_and_sparse_routes():
+    """DeepSpeed's topkgating over capacity: drop_policy 'probs' (default) keeps each expert's most
+    probable routes, 'position' its first tokens; slots follow token order. sparse_routes=True gives
+    the per-route form, and _sparse_encode/_sparse_decode reproduce the dense einsums."""
+    from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode
+    p0 = torch.tensor([0.6, 0.9, 0.7, 0.2])                  # P(expert 0) per token; tokens 0-2 pick expert 0
+    logits = torch.stack([p0, 1 - p0], dim=1).log()          # softmax(logits) == these probabilities
+
+    def kept(dispatch):
+        return sorted(tuple(i) for i in dispatch.nonzero().tolist())
+    # C = ceil(4 / 2 * 1 * 0.5) = 1
+    assert kept(topkgating(logits, 1, 0.5, 0)[2]) == [(1, 0, 0), (3, 1, 0)]                     # 0.9 wins
+    assert kept(topkgating(logits, 1, 0.5, 0, drop_policy="position")[2]) == [(0, 0, 0), (3, 1, 0)]
+    # C = 2: tokens 1 and 2 kept (0.9, 0.7), in token order
+    assert kept(topkgating(logits, 1, 1.0, 0)[2]) == [(1, 0, 0), (2, 0, 1), (3, 1, 0)]
+    with pytest.raises(ValueError, match="drop_policy must be 'probs' or 'position'"):
+        topkgating(logits, 1, 1.0, 0, drop_policy="random")
+    # the per-route form against the dense tensors of the same routing (k = 1, 2, 3)
+    torch.manual_seed(3)
+    lg, x = torch.randn(16, 4), torch.randn(16, 8)
+    for dense, sparse in [(top1gating(lg, 1.0, 0, use_rts=False), top1gating(lg, 1.0, 0, use_rts=False,
+                                                                             sparse_routes=True)),
+                          (top2gating(lg, 1.0, 0, top2_2nd_expert_sampling=False),
+                           top2gating(lg, 1.0, 0, top2_2nd_expert_sampling=False, sparse_routes=True)),
+                          (topkgating(lg, 3, 1.0, 0), topkgating(lg, 3, 1.0, 0, sparse_routes=True))]:
+        combine, dispatch = dense[1], dense[2]
+        cap, num_e, idx, loc, g = int(sparse[1]), sparse[2], sparse[3], sparse[4], sparse[5]
+        assert num_e == 4 and cap == combine.shape[2] and idx.shape == loc.shape == g.shape == (idx.shape[0], 16)
+        rebuilt = torch.zeros_like(combine)
+        for e_row, c_row, g_row in zip(idx.tolist(), loc.tolist(), g.tolist()):
+            for s_, (e_, c_, w_) in enumerate(zip(e_row, c_row, g_row)):
+                if e_ >= 0:
+                    rebuilt[s_, e_, c_] += w_
+        assert torch.allclose(rebuilt, combine)
+        slots = _route_slots(idx, loc, 4, cap)
+        assert torch.allclose(_sparse_encode(x, slots, 4, cap), torch.einsum("sec,sm->ecm", dispatch.float(), x))
+        y = torch.randn(4, cap, 8)
+        assert torch.allclose(_sparse_decode(y.view(4 * cap, 8), slots, g, 16),
+                              torch.einsum("sec,ecm->sm", combine, y), atol=1e-6)
