@@ -157,6 +157,8 @@ def feature_probes() -> List[Tuple[str, Probe]]:
         ("Lamb", _import_probe("deepspeed.ops.lamb:FusedLamb")),
         ("pipeline parallelism", _import_probe("deepspeed.pipe:PipelineModule")),
         ("activation checkpointing", _import_probe("deepspeed.checkpointing:checkpoint")),
+        ("activation offload (CheckpointHiddenStatesOffload)",
+         _import_probe("deepspeed.runtime.activation_checkpointing.offload_activations:CheckpointHiddenStatesOffload")),
         ("mixture of experts", _import_probe("deepspeed.moe.layer:MoE")),
         ("custom compiled kernels", _compiled_kernels_probe),
     ]
