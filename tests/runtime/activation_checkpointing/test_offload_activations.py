@@ -131,6 +131,27 @@ def test_offloaded_inputs_live_in_separate_host_buffers_and_originals_are_releas
     assert offload.stats.restored_tensors == LAYERS
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_works_with_deepspeed_checkpoint(dev, use_reentrant):
+    import deepspeed.checkpointing as ds_checkpointing
+    layers = _layers(dev)
+    x0 = torch.randn(8, D, device=dev)
+    ref = _reference(layers, x0)
+    layers.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_(True)
+    offload = CheckpointHiddenStatesOffload(min_offload_bytes=0, keep_last_count=0)
+    with offload:
+        torch.manual_seed(7)
+        h = x
+        for layer in layers:
+            offload.mark(h)
+            h = ds_checkpointing.checkpoint(layer, h, use_reentrant=use_reentrant)
+        loss = h.square().mean()
+        loss.backward()
+    _assert_same(loss, x, layers, ref)
+    assert offload.stats.offloaded_tensors == LAYERS and offload.stats.restored_tensors == LAYERS
+
+
 def test_unmarked_saved_tensors_pass_through(dev):
     layers = _layers(dev)
     x = torch.randn(8, D, device=dev, requires_grad=True)
