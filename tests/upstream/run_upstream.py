@@ -186,8 +186,21 @@ KNOWN = [
     (r"has no attribute 'all_gather_coalesced'|MultipleAllGatherHandles|InsertPostInitMethodToModuleSubClasses"
      r"|_external_params", "deviation", "pins ZeRO-3 internals (per-parameter gather methods, handle and "
      "init-hook classes, the module's external-parameter dict); ours gathers through GatheredParameters/hooks"),
-    (r"_route_slots|_sparse_encode|_sparse_decode", "deviation",
-     "imports private helpers of DeepSpeed 0.19's sparse MoE dispatch; the module cannot be collected"),
+    (r"TestMoESingleton::test_all_to_all", "deviation",
+     "monkeypatches sharded_moe._AllToAll.apply (DeepSpeed's equal-split all-to-all, called as (group, input)) and "
+     "counts its calls; MOELayer here sends only the occupied slots with exact per-rank splits (_AllToAllV), so "
+     "there is no _AllToAll to count (passes on the real DeepSpeed on CPU)"),
+    (r"comet\.experiment_key must be 32 to 50", "deviation",
+     "the config checks Comet's documented experiment_key format (32-50 alphanumerics) and names the key; the "
+     "test's mocked comet_ml.start takes 'some-experiment-key', which DeepSpeed's config passes through (the real "
+     "comet_ml would refuse it at start). With comet_ml installed the rest of the test (start's six keyword "
+     "arguments, set_name) is what tests/monitor/test_monitors.py checks"),
+    (r"No module named 'comet_ml'", "out_of_scope",
+     "needs the comet_ml package, not installed here (fails on the real DeepSpeed alike; with comet_ml 3.58.8 on "
+     "PYTHONPATH test_empty_comet passes here and both pass on the real DeepSpeed)"),
+    (r"test_pin_memory_tracker\.py::test_checkpoint_emits_info", "out_of_scope",
+     "fails on the real DeepSpeed 0.19.6 on CPU alike (assert 2 == 1: caplog sees the one checkpoint record "
+     "twice in this harness); the checkpoint ladder is checked in tests/upstream/test_upstream_causes.py"),
     (r"count_used_parameters_in_backward", "deviation", "patches count_used_parameters_in_backward inside "
      "DeepSpeed's ZeRO optimizers (stage_1_and_2 / stage3) and expects one call per backward: ours ends a "
      "user-driven backward with a callback queued on autograd's engine and counts nothing (the helper itself "
@@ -195,8 +208,11 @@ KNOWN = [
     (r"test_zero_hook_attribute_delegation\.py", "deviation",
      "pins the attributes DeepSpeed's ZeRO-3 hooks leave on each module (pre_bwd_fn, applied_pre_backward_ref_cnt)"),
     # features with their own open issue, or outside this package
-    (r"deepspeed\.utils\.pin_memory", "out_of_scope", "DeepSpeed's native pinned-memory manager (compiled op) is "
-     "not built"),
+    (r"test_destroy_unpin\.py::TestDestroyUnpinsNativeBuffers::test_native_", "out_of_scope",
+     "times out (240 s) on the real DeepSpeed 0.19.6 on CPU, 3 of 3 (2026-11-28b). Here the native backend is "
+     "built (deepspeed.utils.pin_memory), but ZeRO-Offload's host buffers are pinned only when there is a device "
+     "to copy to, so on a CPU-only machine the native manager holds none and 'expected native-pinned optimizer "
+     "offload buffers' fails"),
     (r"ds_to_universal|AUTOEP|autoep", "out_of_scope", "offline ds_to_universal conversion / AutoEP metadata "
      "(our checkpoints are universal natively; AutoEP has its own issue)"),
     (r"Tutel is not installed|TUTEL", "out_of_scope", "Tutel is not used"),
@@ -304,9 +320,11 @@ KNOWN += [
      "marker; ~520 lines in DeepSpeed) is not built: 7 of its tests pass on the real DeepSpeed on CPU (12 with "
      "transformers installed), 19 need a stream-capable accelerator"),
     (r"test_nvtx\.py", "out_of_scope", "imports DeepSpeed's top-level accelerator package (cuda_accelerator); "
-     "NVTX ranges are not used here"),
+     "NVTX ranges are not used here (the module does not collect on the real DeepSpeed 0.19.6 installed from its "
+     "wheel either)"),
     (r"test_byte_cast\.py::.*test_byte_cast_cpu_tensor\[True", "out_of_scope",
-     "calls torch's Tensor.pin_memory(), which needs an accelerator: fails on the real DeepSpeed on CPU too"),
+     "calls torch's Tensor.pin_memory(), which needs an accelerator (on the real DeepSpeed 0.19.6 on CPU the whole "
+     "module is skipped: its UtilsBuilder is not compatible there)"),
     (r"DistributedDataParallel device_ids and output_device", "out_of_scope",
      "the test's DDP reference is built with device_ids (an accelerator): fails on the real DeepSpeed on CPU too"),
     (r"deepspeed\.sequence\.fpdt_layer", "out_of_scope", "FPDT (fully pipelined distributed transformer "
