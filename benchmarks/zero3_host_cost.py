@@ -52,6 +52,13 @@ SIZES = {
 }
 
 
+def _deepspeed_origin() -> str:
+    """Which ``deepspeed`` the benchmark's processes import (PYTHONPATH may put an older copy first)."""
+    import importlib.util
+    spec = importlib.util.find_spec("deepspeed")
+    return spec.origin if spec is not None else "not found"
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -259,7 +266,7 @@ def main(argv=None):
     cfg = SIZES[a.size]
     res = {"benchmark": "zero3_host_cost", "device": a.device, "world": a.world, "size": a.size, "model": cfg,
            "dtype": a.dtype, "steps": a.steps, "prof_steps": a.prof_steps, "torch": torch.__version__,
-           "loadavg_before": os.getloadavg(), "modes": {}}
+           "loadavg_before": os.getloadavg(), "deepspeed_from": _deepspeed_origin(), "modes": {}}
     for m in modes:
         res["modes"][m] = run_mode(m, a, cfg, a.timeout)
     res["loadavg_after"] = os.getloadavg()

@@ -125,6 +125,22 @@ def ensure_zero_ordered_dict(module: torch.nn.Module) -> None:
     invalidate_fetch_lists()
 
 
+def _wrap_new_submodules(root: torch.nn.Module) -> None:
+    """:func:`ensure_zero_ordered_dict` on every module under ``root`` that lacks it. Runs at
+    every top-level forward, so it walks the ``_modules`` dicts directly (no generator per
+    module, as ``modules()`` has)."""
+    stack, seen = [root], set()
+    while stack:
+        m = stack.pop()
+        d = m.__dict__
+        if type(d.get("_parameters")) is not ZeROOrderedDict:
+            ensure_zero_ordered_dict(m)
+        for c in d.get("_modules", {}).values():
+            if c is not None and id(c) not in seen:
+                seen.add(id(c))
+                stack.append(c)
+
+
 def _restore_parameters_dict(module: torch.nn.Module) -> None:
     params = module.__dict__.get("_parameters")
     if isinstance(params, ZeROOrderedDict):
@@ -223,7 +239,7 @@ class ParameterCoordinator:
     # -- step boundaries -------------------------------------------------------------------
     def new_step(self) -> None:
         """Start of a top-level forward: adopt what was recorded since the last one as the trace."""
-        if self.recording:
+        if self.recording and not self._same_as_trace(self.recording):
             self.trace = self.recording
             self.positions, self.prefix = {}, [0]
             for i, (_, _, params) in enumerate(self.trace):
@@ -237,6 +253,20 @@ class ParameterCoordinator:
         if any(e[1] is self for e in FWD_MODULE_STACK):   # left by a forward that raised
             FWD_MODULE_STACK[:] = [e for e in FWD_MODULE_STACK if e[1] is not self]
         self.pinned.clear()
+
+    def _same_as_trace(self, rec) -> bool:
+        """The step just recorded ran the same gathers as the trace (the usual case): the trace's
+        positions and prefix sums stand, nothing is rebuilt. Parameter lists are compared by
+        identity (module_params_to_fetch hands out one cached list per module)."""
+        t = self.trace
+        if len(rec) != len(t):
+            return False
+        for a, b in zip(rec, t):
+            if a[0] is not b[0] or a[1] != b[1]:
+                return False
+            if a[2] is not b[2] and (len(a[2]) != len(b[2]) or any(x is not y for x, y in zip(a[2], b[2]))):
+                return False
+        return True
 
     def end_backward(self) -> None:
         self.release_all()
@@ -252,7 +282,8 @@ class ParameterCoordinator:
     def live_numel(self) -> int:
         """Elements of this module's partitioned parameters gathered right now (each spec keeps
         the count as parameters are gathered and released; views of partitions cost nothing)."""
-        return sum(spec.gathered for spec in self._specs())
+        specs = self._specs()
+        return specs[0].gathered if len(specs) == 1 else sum(spec.gathered for spec in specs)
 
     def _specs(self):
         specs = self.__dict__.get("_spec_cache")
@@ -272,7 +303,7 @@ class ParameterCoordinator:
     # -- gathering -------------------------------------------------------------------------
     def fetch(self, module, phase: int, params) -> None:
         if len(self.recording) < _MAX_TRACE:
-            self.recording.append((module, phase, tuple(params)))
+            self.recording.append((module, phase, params))   # not changed after: a cached list or a new one
         else:
             self.recording, self.trace, self.predicting = [], [], False
         pos = None
@@ -379,9 +410,7 @@ class ParameterCoordinator:
     def _pre_forward(self, module, args):
         if module is self.module and not _in_backward():
             self.new_step()   # also a step boundary for forwards that bypass the engine (generation)
-            for m in module.modules():   # submodules attached after initialize: DeepSpeed's prologue
-                if type(m.__dict__.get("_parameters")) is not ZeROOrderedDict:
-                    ensure_zero_ordered_dict(m)
+            _wrap_new_submodules(module)   # submodules attached after initialize: DeepSpeed's prologue
             if self.predicting and not module_params_to_fetch(module):
                 self._prefetch()   # the first modules' parameters are in flight before they run
         FWD_MODULE_STACK.append((module, self))

@@ -32,8 +32,8 @@ from .estimators import estimate_zero3_model_states_mem_needs  # noqa: F401 - De
 from .estimators import estimate_zero3_model_states_mem_needs_all_cold  # noqa: F401
 from .estimators import estimate_zero3_model_states_mem_needs_all_live  # noqa: F401
 from .parameter_offload import ParameterCoordinator
-from .partitioned_param import (PartitionSpec, ZeroParamStatus, _flat_input, convert_param, gather_params,
-                                invalidate_fetch_lists, is_quantized, is_zero_param, quantize_partition,
+from .partitioned_param import (_FETCH_VERSION, PartitionSpec, ZeroParamStatus, _flat_input, convert_param,
+                                gather_params, invalidate_fetch_lists, is_quantized, is_zero_param, quantize_partition,
                                 release_param)
 from .stage3_comm import KIND_GATHER, KIND_STEP, comm_for
 from .stage3_fragments import Stage3StateAccess
@@ -318,9 +318,10 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
 
     def _hand_over(self, p, grad) -> None:
         if grad is not None and self.parts.owns(p):
-            held = self._unsynced.pop(p, None)
-            if held is not None:
-                grad = grad.add_(held)
+            if self._unsynced:   # (a Parameter's hash is a Python call: only looked up when something is held)
+                held = self._unsynced.pop(p, None)
+                if held is not None:
+                    grad = grad.add_(held)
             if not self._sync_enabled:
                 # engine.no_sync() (DeepSpeed refuses it at stage 3): hold the full local gradient
                 # until the next synced backward, which adds it in before the reduce-scatter.
@@ -513,8 +514,17 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._unsynced.clear()
         self.parts.zero_grads()
-        for p in self.module.parameters():
+        for p in self._all_params():
             p.grad = None
+
+    def _all_params(self) -> list:
+        """The module's parameters, cached while none is set or deleted (the version of
+        module_params_to_fetch's lists: every module's ``_parameters`` reports changes)."""
+        v = _FETCH_VERSION[0]
+        cached = self.__dict__.get("_params_cache")
+        if cached is None or cached[0] != v:
+            cached = self._params_cache = (v, list(self.module.parameters()))
+        return cached[1]
 
     # -- DeepSpeed's introspection names (tests and tools read them) ------------------------
     # A "sub-group" is one chunk of MasterPartitions: whole partitions of one optimizer group,
