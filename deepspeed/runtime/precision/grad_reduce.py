@@ -226,13 +226,20 @@ class PartitionGradReducer(_InOrderLauncher):
         self.staging = {}                 # bucket order -> staging buffer
         self.held = {}                    # bucket order -> [(slot, grad)] when not contiguous
         self.pending = []                 # (bucket, works, out)
+        # one rank, nothing to divide: a bucket would only be zeroed, filled and added back, so
+        # a gradient on the partition's device is added straight into the partition (a
+        # gradient on another device - offload - still goes through a staging buffer, so the
+        # bucket makes one transfer)
+        self.direct = comm.world == 1 and predivide == 1.0 and contiguous
 
     def add_grad(self, slot: Slot, grad: torch.Tensor) -> None:
         """Take ``grad`` (the parameter's gradient of this backward) into the bucket."""
         b = slot.bucket
         if self.launched[b.order]:
             raise _late(slot)
-        if self.contiguous:
+        if self.direct and grad.device == self.part_grads[b.group].device:
+            self.part_grads[b.group].narrow(0, b.part_start + slot.bucket_offset, slot.numel).add_(grad.reshape(-1))
+        elif self.contiguous:
             buf = self._staging(b)
             buf.narrow(0, slot.bucket_offset, slot.numel).add_(grad.reshape(-1))
         else:
@@ -248,6 +255,8 @@ class PartitionGradReducer(_InOrderLauncher):
         return buf
 
     def launch(self, b: Bucket) -> None:
+        if self.direct and b.order not in self.staging:
+            return   # every gradient of the bucket went straight into the partition
         buf = self._staging(b)
         for slot, g in self.held.pop(b.order, []):
             buf.narrow(0, slot.bucket_offset, slot.numel).add_(g.reshape(-1))
