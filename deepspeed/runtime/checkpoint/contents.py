@@ -39,6 +39,7 @@ import torch
 
 from ...utils.logging import logger
 from ..engine_features import feature_checkpoint_keys
+from ..engine_queries import _checkpoint_parallel_metadata
 
 # Keys DeepSpeed writes into a model-states file itself (0.9 to 0.19); every other top-level
 # key is the client_state the user passed to save_checkpoint.
@@ -117,13 +118,6 @@ def _frozen_fragment(p) -> torch.Tensor:
     return src.detach().to("cpu", copy=True)
 
 
-def _pipeline_world_size(mpu) -> int:
-    for name in ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size"):
-        if mpu is not None and hasattr(mpu, name):
-            return int(getattr(mpu, name)())
-    return 1
-
-
 def model_states(engine, module_sd, client_state: Optional[dict], *, zero_groups=None,
                  exclude_frozen_parameters: bool = False, extra: Optional[dict] = None) -> dict:
     """The model-states dict of ``engine``: DeepSpeed's keys, then the client state merged
@@ -136,7 +130,6 @@ def model_states(engine, module_sd, client_state: Optional[dict], *, zero_groups
     zero = stage > 0 and zero_groups is not None
     frozen = stage >= 2 and not exclude_frozen_parameters
     sched = engine.lr_scheduler
-    pp = _pipeline_world_size(getattr(engine, "mpu", None))
     state = {
         "module": module_sd,
         "buffer_names": buffer_names(module),
@@ -155,7 +148,8 @@ def model_states(engine, module_sd, client_state: Optional[dict], *, zero_groups
         # DeepSpeed writes the sequence-data-parallel size (dp x sp) here (its engine: seq_dp_world_size)
         "dp_world_size": getattr(engine, "seq_dp_world_size", engine.dp_world_size),
         "mp_world_size": engine.mp_world_size,
-        "checkpoint_parallel_dimensions": {"pp_degree": int(pp), "tp_degree": int(engine.mp_world_size)},
+        # the pipeline and tensor-parallel degrees, read from the mpu in DeepSpeed's order
+        **_checkpoint_parallel_metadata(getattr(engine, "mpu", None)),
         "ds_config": engine.config,
         "ds_version": engine.ds_version,
         "micro_steps": engine.micro_steps,
