@@ -106,6 +106,7 @@ class MasterPartitions:
                 self.chunks.append(c)
         self._chunk_index = {id(c): i for i, c in enumerate(self.chunks)}
         self._ovl = _UNSET              # OverlapStepper (super_offload) or None, resolved on first use
+        self._grad_views = {}           # id(p) -> (its chunk's gradient buffer, p's view of it)
 
     def _overlap(self):
         if self._ovl is _UNSET:
@@ -198,7 +199,15 @@ class MasterPartitions:
 
     def accumulate(self, p, reduced: torch.Tensor) -> None:
         c, off, s = self.slot[id(p)]
-        ov = self._overlap()
+        ov = self._ovl if self._ovl is not _UNSET else self._overlap()
+        if ov is None and reduced.device == c.grad.device and not torch._C._autograd._profiler_enabled():
+            # the common case (one rank hands every gradient over here): the partition's gradient
+            # view is made once per chunk buffer, no range, no device move
+            gv = self._grad_views.get(id(p))
+            if gv is None or gv[0] is not c.grad:
+                gv = self._grad_views[id(p)] = (c.grad, c.grad[off:off + s])
+            gv[1].add_(reduced)   # add_ casts the dtype
+            return
         if ov is not None:
             ov.before_add(self._chunk_index[id(c)])
         # blocking: a non-blocking device-to-host copy could be read before it lands
