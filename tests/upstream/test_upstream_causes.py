@@ -677,7 +677,7 @@ def test_no_sync_refuses_reentry_and_step_inside():
     assert torch.allclose(lin.weight.detach(), before - 0.1 * torch.ones(1, 2))
 
 
-def test_pin_memory_tracker_totals_and_doubling_checkpoints(caplog):
+def test_pin_memory_tracker_totals_and_doubling_checkpoints():
     """DeepSpeed 0.19's deepspeed.utils.pin_memory_tracker: every accelerator pin_memory() that pins adds
     the tensor's bytes to a process total; an INFO line the first time the total reaches 32 GiB, then
     64, 128, ... GiB (one rung per doubling); the CPU accelerator pins nothing and counts nothing."""
@@ -688,15 +688,24 @@ def test_pin_memory_tracker_totals_and_doubling_checkpoints(caplog):
     gib = 1 << 30
     assert [pmt._fmt_bytes(n) for n in (512, 2048, 3 << 20, 5 * gib // 2)] == ["512 B", "2.0 KB", "3.00 MB",
                                                                                "2.500 GB"]
-    ds_logger = logging.getLogger("DeepSpeed")
-    old_propagate, ds_logger.propagate = ds_logger.propagate, True
+
+    class Collect(logging.Handler):       # the DeepSpeed logger's own records, whatever else is attached
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+    ds_logger, seen = logging.getLogger("DeepSpeed"), Collect()
+    old_level = ds_logger.level
+    ds_logger.addHandler(seen)
+    ds_logger.setLevel(logging.INFO)
     pmt._tracker.reset()
     try:
-        with caplog.at_level(logging.INFO, logger="DeepSpeed"):
-            for n in (30 * gib, 3 * gib, 31 * gib, 70 * gib):     # totals 30, 33, 64, 134 GiB
-                pmt.track_pinned_memory(n)
-            pmt.pinned_memory_summary("unit")
-        lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+        for n in (30 * gib, 3 * gib, 31 * gib, 70 * gib):     # totals 30, 33, 64, 134 GiB
+            pmt.track_pinned_memory(n)
+        pmt.pinned_memory_summary("unit")
+        lines = seen.lines
         assert (pmt._tracker._bytes, pmt._tracker._calls) == (134 * gib, 4)
         assert pmt._tracker._next_checkpoint == 256 * gib          # 32 -> 64 -> 128 crossed, 256 next
         assert [ln for ln in lines if "checkpoint" in ln] == [
@@ -719,7 +728,8 @@ def test_pin_memory_tracker_totals_and_doubling_checkpoints(caplog):
         assert CPU_Accelerator().pin_memory(x) is x
         assert (pmt._tracker._bytes, pmt._tracker._calls) == (4096, 1)
     finally:
-        ds_logger.propagate = old_propagate
+        ds_logger.removeHandler(seen)
+        ds_logger.setLevel(old_level)
         pmt._tracker.reset()
 
 
