@@ -216,10 +216,6 @@ KNOWN = [
     (r"ds_to_universal|AUTOEP|autoep", "out_of_scope", "offline ds_to_universal conversion / AutoEP metadata "
      "(our checkpoints are universal natively; AutoEP has its own issue)"),
     (r"Tutel is not installed|TUTEL", "out_of_scope", "Tutel is not used"),
-    (r"test_reshape_checkpoint\.py", "out_of_scope", "the module imports ds_to_universal's private AutoEP helper "
-     "(_aggregate_autoep_zero12_metadata), ZeROCheckpoint and engine._checkpoint_parallel_metadata (offline "
-     "ds_to_universal conversion / AutoEP, own issue); its reshape maps (model_3d_desc) are checked in "
-     "tests/upstream/test_upstream_causes.py"),
 ]
 # real gaps found and not closed in this pass (kept here so the tables say so; not deviations)
 KNOWN += [
@@ -315,10 +311,6 @@ KNOWN += [
      "imports deepspeed.runtime.base_optimizer.ZeROOptimizer (absent by design: our optimizer objects do not "
      "share DeepSpeed's base classes, docs/api_surface.md); what these tests check - optimizer.needs_scaler() and "
      "the fp16 refusal of an unscaled loss.backward() - is provided (test_error_when_backward_without_scale_fp16)"),
-    (r"deepspeed\.runtime\.activation_checkpointing\.offload_activations", "remaining",
-     "CheckpointHiddenStatesOffload (host offload of marked checkpoint inputs, Hugging Face GradientCheckpointingLayer "
-     "marker; ~520 lines in DeepSpeed) is not built: 7 of its tests pass on the real DeepSpeed on CPU (12 with "
-     "transformers installed), 19 need a stream-capable accelerator"),
     (r"test_nvtx\.py", "out_of_scope", "imports DeepSpeed's top-level accelerator package (cuda_accelerator); "
      "NVTX ranges are not used here (the module does not collect on the real DeepSpeed 0.19.6 installed from its "
      "wheel either)"),
