@@ -674,6 +674,11 @@ def invalidate_fetch_lists() -> None:
     _FETCH_VERSION[0] += 1
 
 
+def fetch_lists_version() -> int:
+    """Moves whenever a module's parameters may have changed (caches of parameter lists key on it)."""
+    return _FETCH_VERSION[0]
+
+
 def module_params_to_fetch(module) -> list:
     """The partitioned, non-persistent params a module's forward needs: its own and the
     external ones registered on it. A ZeRO-3 leaf module (``deepspeed.utils.set_z3_leaf_modules``)

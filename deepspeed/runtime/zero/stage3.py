@@ -32,7 +32,7 @@ from .estimators import estimate_zero3_model_states_mem_needs  # noqa: F401 - De
 from .estimators import estimate_zero3_model_states_mem_needs_all_cold  # noqa: F401
 from .estimators import estimate_zero3_model_states_mem_needs_all_live  # noqa: F401
 from .parameter_offload import ParameterCoordinator
-from .partitioned_param import (_FETCH_VERSION, PartitionSpec, ZeroParamStatus, _flat_input, convert_param,
+from .partitioned_param import (PartitionSpec, ZeroParamStatus, _flat_input, convert_param, fetch_lists_version,
                                 gather_params, invalidate_fetch_lists, is_quantized, is_zero_param, quantize_partition,
                                 release_param)
 from .stage3_comm import KIND_GATHER, KIND_STEP, comm_for
@@ -520,7 +520,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
     def _all_params(self) -> list:
         """The module's parameters, cached while none is set or deleted (the version of
         module_params_to_fetch's lists: every module's ``_parameters`` reports changes)."""
-        v = _FETCH_VERSION[0]
+        v = fetch_lists_version()
         cached = self.__dict__.get("_params_cache")
         if cached is None or cached[0] != v:
             cached = self._params_cache = (v, list(self.module.parameters()))

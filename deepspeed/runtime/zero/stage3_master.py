@@ -200,19 +200,16 @@ class MasterPartitions:
     def accumulate(self, p, reduced: torch.Tensor) -> None:
         c, off, s = self.slot[id(p)]
         ov = self._ovl if self._ovl is not _UNSET else self._overlap()
-        if ov is None and reduced.device == c.grad.device and not torch._C._autograd._profiler_enabled():
-            # the common case (one rank hands every gradient over here): the partition's gradient
-            # view is made once per chunk buffer, no range, no device move
-            gv = self._grad_views.get(id(p))
-            if gv is None or gv[0] is not c.grad:
-                gv = self._grad_views[id(p)] = (c.grad, c.grad[off:off + s])
-            gv[1].add_(reduced)   # add_ casts the dtype
-            return
         if ov is not None:
             ov.before_add(self._chunk_index[id(c)])
+        # p's view of its chunk's gradient buffer, made once per buffer (one rank hands every
+        # gradient over here, one call per parameter per backward)
+        gv = self._grad_views.get(id(p))
+        if gv is None or gv[0] is not c.grad:
+            gv = self._grad_views[id(p)] = (c.grad, c.grad[off:off + s])
+        dst = gv[1]
         # blocking: a non-blocking device-to-host copy could be read before it lands
         with _range("offload.grad_to_host"):
-            dst = c.grad[off:off + s]
             dst.add_(reduced.to(dst.device) if reduced.device != dst.device else reduced)   # add_ casts the dtype
         if ov is not None:
             ov.added(self._chunk_index[id(c)], s)
