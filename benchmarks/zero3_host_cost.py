@@ -7,7 +7,9 @@ Counts, per training step and per rank, with ``torch.profiler`` over a few steps
 * ``copy_calls``: data-copying ops (``copy_``, ``to``, ``cat``, ``split_with_sizes_copy``,
   ``_chunk_cat``, ``_foreach_copy_``, ...) issued from Python or framework code (*top-level*: no
   other aten op above them): the per-parameter copies the issue is about, one per call however
-  many tensors it moves; and ``copy_calls_all``, every ``aten::copy_`` including those inside
+  many tensors it moves; ``copy_calls_moving``, the same less the ``to``/``contiguous`` calls
+  that return their input (already of that device and dtype: dispatched, nothing copied);
+  and ``copy_calls_all``, every ``aten::copy_`` including those inside
   another op (on CPU a fused ``split_with_sizes_copy`` still loops over its outputs in C++ and
   ``.to()`` calls ``copy_``; on CUDA the fused op is one kernel); copies with no caller at all
   run on a communication backend's worker thread (gloo copies tensors in and out of its
@@ -124,10 +126,12 @@ _COPY_OPS = frozenset(("aten::copy_", "aten::to", "aten::_to_copy", "aten::cat",
                        "aten::_chunk_cat", "aten::_foreach_copy_", "aten::clone", "aten::contiguous",
                        "aten::index_copy_", "aten::stack"))
 
+_MAYBE_NOOP = frozenset(("aten::to", "aten::contiguous"))
+
 
 def _count(prof, dev):
-    c = {"collectives": 0, "copy_calls": 0, "copy_calls_all": 0, "backend_thread_copies": 0, "memcpy_calls": 0,
-         "kernel_launches": 0}
+    c = {"collectives": 0, "copy_calls": 0, "copy_calls_moving": 0, "copy_calls_all": 0, "backend_thread_copies": 0,
+         "memcpy_calls": 0, "kernel_launches": 0}
     sites = {}
     for e in prof.events():
         name = e.name
@@ -150,6 +154,10 @@ def _count(prof, dev):
                 par = par.cpu_parent
             if top:
                 c["copy_calls"] += 1
+                # ``to``/``contiguous`` on a tensor already of that device, dtype and layout return
+                # it: dispatched, but nothing moves (counted in copy_calls, not here)
+                c["copy_calls_moving"] += not (name in _MAYBE_NOOP and not any(
+                    ch.name.startswith("aten::") for ch in e.cpu_children))
                 key = f"{name} @ {where}"
                 sites[key] = sites.get(key, 0) + 1
         elif name == "cudaMemcpyAsync":
@@ -279,6 +287,7 @@ def main(argv=None):
             return None
     res["ratios"] = {
         "copy_calls_zero3_over_zero2": ratio("zero3", "zero2", "copy_calls"),
+        "copy_calls_moving_zero3_over_zero2": ratio("zero3", "zero2", "copy_calls_moving"),
         "copy_calls_all_zero3_over_zero2": ratio("zero3", "zero2", "copy_calls_all"),
         "memcpy_calls_zero3_over_zero2": ratio("zero3", "zero2", "memcpy_calls"),
         "cpu_zero3_over_fsdp2": ratio("zero3", "fsdp2", "cpu_s_per_step"),

@@ -394,7 +394,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
         filt = None
         if mpu is not None and mpu.get_model_parallel_world_size() > 1 and mpu.get_model_parallel_rank() != 0:
             filt = is_model_parallel_parameter  # replicated params count once, on model-parallel rank 0
-        t = self.parts.local_sq_norm(filt).reshape(1).to(torch.float64)
+        t = self.parts.local_sq_norm(filt).reshape(1)   # float64
         if self.comm.active and dist.get_backend(self.comm.group) != "gloo":
             t = t.to(self.spec.device)  # NCCL reduces device tensors only
         self.comm.check(KIND_STEP, [self.ctx.dp_world_size], 1, "the optimizer step's gradient norm")

@@ -134,12 +134,12 @@ class GradReducer:
             b.buf.div_(self.predivide)
         if self.comm.world_size == 1:     # nothing to reduce: the bucket is this rank's slice
             b.out = b.buf.view(-1)
-        else:
-            b.out = torch.empty(b.fill, dtype=b.buf.dtype, device=b.buf.device)
-            b.work = self.comm.reduce_scatter_rows(b.out, b.buf, async_op=self.overlap)
+        else:   # the laid-out bucket is ours: the communicator may reduce it in place
+            b.out, b.work = self.comm.reduce_rows(b.buf, async_op=self.overlap)
         self.inflight.append(b)
         b.nbytes = b.buf.numel() * b.buf.element_size() + (
-            b.out.numel() * b.out.element_size() if b.out.data_ptr() != b.buf.data_ptr() else 0)
+            0 if b.out.untyped_storage().data_ptr() == b.buf.untyped_storage().data_ptr()
+            else b.out.numel() * b.out.element_size())
         self.inflight_bytes += b.nbytes
         self.launches += 1
         self._account()
@@ -162,7 +162,7 @@ class GradReducer:
             b.work.wait()
         scale = self.predivide / self.comm.world_size
         if self.replica is not None:
-            if b.out.data_ptr() == b.buf.data_ptr():   # one rank per shard: out is the laid-out input
+            if self.comm.world_size == 1:   # one rank per shard: out may be the caller's gradient
                 b.out = b.out.clone()
             self.replica.all_reduce(b.out)
             scale /= self.replica.world_size

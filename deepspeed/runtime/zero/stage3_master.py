@@ -82,6 +82,15 @@ def _chunk_params(params, sub_group_size):
     return chunks
 
 
+def _gathered_first(params):
+    """A group's parameters with a partition, in the chunk order: those gathered for forward
+    first, in their order, then those kept whole (``ds_persist``). So the partitions a module or
+    a prefetch bucket gathers lie back to back in the chunk and go in as one view, not one
+    concatenation per gather. Only the layout changes: checkpoints are keyed by name."""
+    params = [p for p in params if p.ds_tensor.numel() > 0]
+    return [p for p in params if not p.ds_persist] + [p for p in params if p.ds_persist]
+
+
 class MasterPartitions:
     stream_chunk = STREAM_CHUNK
     streamed = None          # whether the step streams; decided at the first step
@@ -100,7 +109,7 @@ class MasterPartitions:
         pin = pin_memory and self.opt_device.type == "cpu" and torch.cuda.is_available()
         for gi, g in enumerate(groups):
             self.group_hparams.append({k: v for k, v in g.items() if k != "params"})
-            for plist in _chunk_params([p for p in g["params"] if p.ds_tensor.numel() > 0], self.sub_group_size):
+            for plist in _chunk_params(_gathered_first(g["params"]), self.sub_group_size):
                 c = Chunk(gi, plist)
                 self._build(c, share_master, pin)
                 self.chunks.append(c)
@@ -290,7 +299,8 @@ class MasterPartitions:
                 norms = self._host_norms(gs)
             else:
                 norms = torch._foreach_norm(gs, 2.0, dtype=_FP32)   # one fused launch, no copies
-            total += sum_of_squares(norms).cpu()  # one sync per device
+            sq = sum_of_squares(norms)
+            total += sq if sq.device.type == "cpu" else sq.cpu()  # one sync per device
         return total
 
     def _chunk_norms(self, c):

@@ -79,6 +79,14 @@ class QuantizedComm:
         self._quant_gather = self._quantized_all_gather_into if weights else base.all_gather_into
         self.all_gather_into = self._quant_gather
         self.reduce_scatter_rows = self._quantized_reduce_scatter_rows if gradients else base.reduce_scatter_rows
+        self.reduce_in_place = base.reduce_in_place and not gradients   # qgZ has its own reduce
+
+    def reduce_rows(self, rows: torch.Tensor, async_op: bool = False):
+        """:meth:`CheckedComm.reduce_rows`, through the quantized reduce-scatter with qgZ."""
+        if self.reduce_in_place:
+            return self._base.reduce_rows(rows, async_op)
+        out = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
+        return out, self.reduce_scatter_rows(out, rows, async_op=async_op)
 
     def __getattr__(self, name):
         return getattr(object.__getattribute__(self, "_base"), name)
