@@ -10,7 +10,10 @@ Two owners of gradients:
 * :class:`PartitionGradReducer` (stage 2): no full buffer survives a micro-step. A
   parameter's gradient is copied into its bucket's staging buffer and freed; a full
   bucket is reduce-scattered and each rank adds its chunk into its gradient partition.
-  Every micro-step reduces, so accumulation happens in the partition.
+  Every micro-step reduces, so accumulation happens in the partition. A staging buffer
+  is written once (first gradient copied, unwritten slots and padding zeroed at launch)
+  and, once its bucket is reduced, reused by a later bucket of the same backward; none
+  is kept between micro-steps.
 
 Averaging is *not* done here: regions are divided by ``predivide`` before the
 collective and the rest of the ``1/N`` is folded into the single multiply the step
@@ -224,6 +227,9 @@ class PartitionGradReducer(_InOrderLauncher):
         self.contiguous = contiguous
         self.max_inflight = max(1, max_inflight)
         self.staging = {}                 # bucket order -> staging buffer
+        self.written = {}                 # bucket order -> ids of the slots written this micro-step
+        self.spare = []                   # staging buffers of completed buckets, reused within the step
+        self.bases = {}                   # bucket order -> the (maybe larger) buffer its staging slices
         self.held = {}                    # bucket order -> [(slot, grad)] when not contiguous
         self.pending = []                 # (bucket, works, out)
         # one rank, nothing to divide: a bucket would only be zeroed, filled and added back, so
@@ -240,26 +246,62 @@ class PartitionGradReducer(_InOrderLauncher):
         if self.direct and grad.device == self.part_grads[b.group].device:
             self.part_grads[b.group].narrow(0, b.part_start + slot.bucket_offset, slot.numel).add_(grad.reshape(-1))
         elif self.contiguous:
-            buf = self._staging(b)
-            buf.narrow(0, slot.bucket_offset, slot.numel).add_(grad.reshape(-1))
+            self._write(b, slot, grad)
         else:
             self.held.setdefault(b.order, []).append((slot, grad))
         self.mark(slot)
 
+    def _write(self, b: Bucket, slot: Slot, grad: torch.Tensor) -> None:
+        """``grad`` into ``slot``'s place in ``b``'s staging buffer: copied the first time in a
+        micro-step, added after that (a parameter used twice, reentrant checkpointing)."""
+        dst = self._staging(b).narrow(0, slot.bucket_offset, slot.numel)
+        written = self.written[b.order]
+        if id(slot) in written:
+            dst.add_(grad.reshape(-1))
+        else:
+            dst.copy_(grad.reshape(-1))
+            written.add(id(slot))
+
     def _staging(self, b: Bucket) -> torch.Tensor:
+        """``b``'s staging buffer, not zeroed: each slot's first gradient is copied in and what
+        no gradient wrote is zeroed at launch (``_zero_unwritten``), so the buffer is written
+        once, not zero-filled and then added into. Buffers of buckets already reduced in this
+        backward are reused (they are released at ``finish``, so nothing is held between steps)."""
         buf = self.staging.get(b.order)
         if buf is None:
-            buf = transient_buffer(b.region_numel(self.n_parts), self.comm_dtype, self.part_grads[b.group].device,
-                                   zero=True)
+            n = b.region_numel(self.n_parts)
+            dev = self.part_grads[b.group].device
+            for i, spare in enumerate(self.spare):
+                if spare.numel() >= n and spare.device == dev:
+                    base = self.spare.pop(i)
+                    break
+            else:   # none fits: free them (memory stays at what the buckets in flight need)
+                self.spare.clear()
+                base = transient_buffer(n, self.comm_dtype, dev)
+            buf = base if base.numel() == n else base[:n]
             self.staging[b.order] = buf
+            self.bases[b.order] = base
+            self.written[b.order] = set()
         return buf
+
+    def _zero_unwritten(self, b: Bucket, buf: torch.Tensor) -> None:
+        """Zero what no gradient wrote in this micro-step: the slots of parameters that got no
+        gradient and the padding after the last slot."""
+        written = self.written.pop(b.order, ())
+        if len(written) < len(b.slots):
+            for slot in b.slots:
+                if id(slot) not in written:
+                    buf.narrow(0, slot.bucket_offset, slot.numel).zero_()
+        if buf.numel() > b.numel:
+            buf.narrow(0, b.numel, buf.numel() - b.numel).zero_()
 
     def launch(self, b: Bucket) -> None:
         if self.direct and b.order not in self.staging:
             return   # every gradient of the bucket went straight into the partition
-        buf = self._staging(b)
         for slot, g in self.held.pop(b.order, []):
-            buf.narrow(0, slot.bucket_offset, slot.numel).add_(g.reshape(-1))
+            self._write(b, slot, g)
+        buf = self._staging(b)
+        self._zero_unwritten(b, buf)
         if self.predivide != 1.0:
             buf.div_(self.predivide)
         r, c = self.comm.rank, b.chunk
@@ -279,11 +321,17 @@ class PartitionGradReducer(_InOrderLauncher):
             w.wait()
         self.part_grads[b.group].narrow(0, b.part_start, b.chunk).add_(out)
         self.staging.pop(b.order, None)
+        base = self.bases.pop(b.order, None)
+        if base is not None:
+            self.spare.append(base)
 
     def finish(self) -> None:
         self.launch_rest()
         while self.pending:
             self._complete(self.pending.pop(0))
         self.staging.clear()
+        self.written.clear()
+        self.spare.clear()
+        self.bases.clear()
         self.held.clear()
         self.reset()
