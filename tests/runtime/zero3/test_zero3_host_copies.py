@@ -17,11 +17,11 @@ LR, STEPS, GAS, MB, LAYERS = 0.02, 3, 2, 2, 3
 
 
 def _run(rank, world_size):
-    import deepspeed.runtime.zero.partitioned_param as pp
+    import deepspeed.runtime.zero.partitioned_gather as pg   # where gather_params looks up _flat_input
     from deepspeed.runtime.zero.stage3_comm import CheckedComm
 
     counts = {"flat_inputs": 0, "concatenated": 0, "reduce_scatters": 0}
-    flat_input, reduce_scatter_rows = pp._flat_input, CheckedComm.reduce_scatter_rows
+    flat_input, reduce_scatter_rows = pg._flat_input, CheckedComm.reduce_scatter_rows
 
     def counted_flat_input(parts):
         out = flat_input(parts)
@@ -33,14 +33,14 @@ def _run(rank, world_size):
         counts["reduce_scatters"] += 1
         return reduce_scatter_rows(self, *a, **k)
 
-    pp._flat_input, CheckedComm.reduce_scatter_rows = counted_flat_input, counted_reduce_scatter
+    pg._flat_input, CheckedComm.reduce_scatter_rows = counted_flat_input, counted_reduce_scatter
     try:
         # biases and norms (<= 16 elements) kept whole; the weights are gathered
         cfg = stage3_config(gas=GAS, mb=MB, stage3_param_persistence_threshold=20)
         eng = train_engine(make_lm(seed=0, n_layers=LAYERS), cfg, lm_batches(STEPS, GAS * MB * world_size),
                            rank, world_size, lr=LR)
     finally:
-        pp._flat_input, CheckedComm.reduce_scatter_rows = flat_input, reduce_scatter_rows
+        pg._flat_input, CheckedComm.reduce_scatter_rows = flat_input, reduce_scatter_rows
     st = eng.strategy
     names = {id(p): n for n, p in eng.module.named_parameters()}
     out = {"counts": counts, "launches": st.reducer.launches,
