@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ...config.errors import DeepSpeedConfigError
 from ...utils.logging import logger
+from ...utils.pin_memory import pin_memory_backend
 from ..comm.optimizer_hooks import gradient_allreduce_needed
 from ..nonfinite import on_nonfinite
 from ..strategy import StepOutcome, StrategyContext, TrainingStrategy
@@ -49,6 +50,11 @@ from .nvme_master import NvmeMasters, NvmeStateAccess
 from .streamed import STREAM_CHUNK, sliced_norms, staging_buffer, sum_of_squares
 
 _ACCUM = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _native_pinning() -> bool:
+    """DS_PIN_MEMORY_BACKEND=native: host memory can be page-locked without a device."""
+    return pin_memory_backend() == "native"
 
 
 class UnusedParametersError(RuntimeError, AssertionError):
@@ -176,13 +182,19 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
         re-home every trainable parameter into its group's flat buffer."""
         separate_master = self.mixed or self.offload
         self.masters = []
+        self._pinned_masters = []   # pinned through the accelerator: destroy() unpins them
         for lay, frags in zip(self.layouts, self.fragments):
             if not separate_master:
                 self.masters.append(None)
                 continue
             m = torch.zeros(lay.part_numel, dtype=torch.float32, device=self.master_device)
-            if self.pin_memory and torch.device(self.ctx.device).type != "cpu":
-                m = m.pin_memory()
+            # pinned when asked and something can pin: a device runtime, or DS_PIN_MEMORY_BACKEND=native
+            # (page-locked with or without a device); through the accelerator, so its backend and
+            # the pin-memory tracker see it
+            if self.pin_memory and (torch.device(self.ctx.device).type != "cpu" or _native_pinning()):
+                from ...accelerator import get_accelerator
+                m = get_accelerator().pin_memory(m)
+                self._pinned_masters.append(m)
             for f in frags:
                 src = f.slot.param.detach().reshape(-1).narrow(0, f.param_start, f.numel)
                 m.narrow(0, f.part_offset, f.numel).copy_(src)
@@ -669,6 +681,11 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
     def destroy(self) -> None:
         if self._nvme is not None:
             self._nvme.close()   # deletes this run's swap files
+        pinned, self._pinned_masters = getattr(self, "_pinned_masters", []), []
+        if pinned:   # native backend: the page-locked allocations freed; torch's pinning: a no-op
+            from ...accelerator import get_accelerator
+            for m in pinned:
+                get_accelerator().unpin_memory(m)
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -33,6 +33,8 @@ import weakref
 
 import torch
 
+from ...accelerator import get_accelerator
+from ...utils.pin_memory import pin_memory_backend
 from .partitioned_gather import (FLAT_GATHER_ELEMENTS, QUANT_BLOCK, GatherHandle, ZeroParamStatus,  # noqa: F401
                                  _alias_partitions, _flat_input, _full_buffer, _gather_quantized,
                                  _gather_secondary, _keep_secondary, _MultiHandle, _pieces, _pool_batches,
@@ -56,7 +58,11 @@ class PartitionSpec:
         self.comm = comm
         self.device = torch.device(device)
         self.partition_device = torch.device(partition_device) if partition_device is not None else self.device
-        self.pin_memory = bool(pin_memory) and self.partition_device.type == "cpu" and self.device.type != "cpu"
+        # pinned host partitions: asked for, in host memory, and something can pin them - a device
+        # runtime (the compute device is not the CPU) or DS_PIN_MEMORY_BACKEND=native (page-locked
+        # memory with or without a device)
+        self.pin_memory = bool(pin_memory) and self.partition_device.type == "cpu" and (
+            self.device.type != "cpu" or host_pinning_backend_native())
         self.listeners = []   # callables(param) after GatheredParameters re-partitions a modified param
         # AsyncPartitionedParameterSwapper when partitions live on NVMe (offload_param.device: nvme);
         # convert_param hands new partitions to it, gather_params/resident_partitions bring them in.
@@ -98,9 +104,17 @@ def _placeholder(dtype, device) -> torch.Tensor:
     return t
 
 
+def host_pinning_backend_native() -> bool:
+    """Whether ``DS_PIN_MEMORY_BACKEND=native`` pins host memory (then pinning works without a
+    device, so ZeRO's pinned host buffers are pinned on a CPU-only run too)."""
+    return pin_memory_backend() == "native"
+
+
 def _alloc_partition(n: int, dtype, spec: PartitionSpec) -> torch.Tensor:
     t = torch.zeros(n, dtype=dtype, device=spec.partition_device)
-    return t.pin_memory() if spec.pin_memory else t
+    # through the accelerator: its pinning backend and deepspeed.utils.pin_memory_tracker see it,
+    # and the strategy's destroy() can unpin it (on CUDA's default backend: t.pin_memory())
+    return get_accelerator().pin_memory(t) if spec.pin_memory else t
 
 
 def ds_summary(p, use_debug_name: bool = False) -> dict:

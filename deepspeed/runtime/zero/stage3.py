@@ -643,6 +643,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
 
     def destroy(self) -> None:
         self.parts.close()   # NVMe swap files
+        self._unpin_host_buffers()
         if self.spec.swapper is not None:
             self.spec.swapper.close()   # NVMe parameter partitions (offload_param.device: nvme)
         for h in self._grad_hooks:
@@ -653,6 +654,23 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
             for p in c.params:
                 if getattr(p, "_ds_state_owner", None) is self:
                     del p._ds_state_owner
+
+
+    def _unpin_host_buffers(self) -> None:
+        """Release the host memory this strategy pinned: the chunks' buffers, and the partitions
+        of pinned offloaded parameters outside the chunks (``get_accelerator().unpin_memory``:
+        the native backend frees the page-locked allocation; torch's pinning: a no-op)."""
+        self.parts.unpin_host_buffers()
+        if not self.spec.pin_memory:
+            return
+        from ...accelerator import get_accelerator
+        acc = get_accelerator()
+        owned = {id(p) for c in self.parts.chunks for p in c.params}
+        for p in {id(q): q for q in self.module.parameters()}.values():
+            t = getattr(p, "ds_tensor", None)
+            if (id(p) not in owned and getattr(p, "_z3", None) is self.spec and t is not None
+                    and t.untyped_storage().nbytes() and acc.is_pinned(t)):
+                acc.unpin_memory(t)
 
 
 def is_zero3_param(p) -> bool:

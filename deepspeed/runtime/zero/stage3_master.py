@@ -38,7 +38,9 @@ import contextlib
 import torch
 from torch.profiler import record_function
 
+from ...accelerator import get_accelerator
 from ..precision.streamed import STREAM_CHUNK, sliced_norms, staging_buffer, sum_of_squares
+from .partitioned_param import host_pinning_backend_native
 
 _FP32 = torch.float32
 _UNSET = object()
@@ -106,7 +108,11 @@ class MasterPartitions:
         self.chunks = []
         self.slot = {}                  # id(param) -> (chunk, offset, size)
         self.group_hparams = []
-        pin = pin_memory and self.opt_device.type == "cpu" and torch.cuda.is_available()
+        # host masters/gradients pinned when asked and something can pin them (a CUDA runtime, or
+        # DS_PIN_MEMORY_BACKEND=native); every pin goes through the accelerator (_pin)
+        pin = pin_memory and self.opt_device.type == "cpu" and (torch.cuda.is_available()
+                                                                 or host_pinning_backend_native())
+        self._pinned = []               # what _pin pinned: unpin_host_buffers() releases it
         for gi, g in enumerate(groups):
             self.group_hparams.append({k: v for k, v in g.items() if k != "params"})
             for plist in _chunk_params(_gathered_first(g["params"]), self.sub_group_size):
@@ -133,7 +139,7 @@ class MasterPartitions:
         dev = c.params[0]._z3.partition_device
         lp = torch.empty(c.numel, dtype=self.dtype, device=dev)
         if c.params[0]._z3.pin_memory:
-            lp = lp.pin_memory()
+            lp = self._pin(lp)
         for p, off, s in zip(c.params, c.offsets, c.sizes):
             lp[off:off + s].copy_(p.ds_tensor)
             view = lp[off:off + s]
@@ -148,10 +154,27 @@ class MasterPartitions:
         else:
             c.master = lp.to(device=self.opt_device, dtype=_FP32, copy=True)
             if pin:
-                c.master = c.master.pin_memory()
+                c.master = self._pin(c.master)
         c.grad = torch.zeros(c.numel, dtype=self.grad_dtype, device=self.opt_device)
         if pin:
-            c.grad = c.grad.pin_memory()
+            c.grad = self._pin(c.grad)
+
+    def _pin(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` pinned by the accelerator (its backend, the pin-memory tracker), remembered for
+        :meth:`unpin_host_buffers`."""
+        t = get_accelerator().pin_memory(t)
+        self._pinned.append(t)
+        return t
+
+    def unpin_host_buffers(self) -> None:
+        """engine.destroy(): release every host buffer :meth:`_pin` pinned (the chunks' partitions,
+        masters, gradients) through ``get_accelerator().unpin_memory`` - with the native backend the
+        page-locked allocations are freed (the tensors keep readable, pageable memory); with
+        torch's pinning a no-op (freed with the tensors)."""
+        acc = get_accelerator()
+        pinned, self._pinned = self._pinned, []
+        for t in pinned:
+            acc.unpin_memory(t)
 
     # -- NVMe-swapped masters (offload_optimizer.device: nvme) -------------------------------
     def swap_to_nvme(self, optimizer, offload_optimizer, aio=None) -> None:

@@ -73,10 +73,10 @@ class SwappedPartitionMasters(MasterPartitions):
             c.master = torch.empty(c.numel, dtype=_FP32, device=self.opt_device)
             partitions_to_master(c, c.master)
             if pin:
-                c.master = c.master.pin_memory()
+                c.master = self._pin(c.master)
         c.grad = torch.zeros(c.numel, dtype=self.grad_dtype, device=self.opt_device)
         if pin:
-            c.grad = c.grad.pin_memory()
+            c.grad = self._pin(c.grad)
 
     def _use_streamed(self, optimizer) -> bool:
         if self.streamed is None and any(c.lp is None for c in self.chunks):
