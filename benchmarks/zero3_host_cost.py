@@ -102,8 +102,8 @@ def _build(mode, cfg, dev, dtype):
     if mode == "zero3_noalias":
         # world size 1 without the partition aliasing: every gather pays its copy, as a
         # multi-rank gather does (what one GPU of several would see on the host side)
-        from deepspeed.runtime.zero import partitioned_param
-        partitioned_param._alias_partitions = lambda todo: todo
+        from deepspeed.runtime.zero import partitioned_gather
+        partitioned_gather._alias_partitions = lambda todo: todo
     ds = {"train_micro_batch_size_per_gpu": cfg["batch"], "gradient_accumulation_steps": 1,
           "gradient_clipping": 1.0, "steps_per_print": 0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},

@@ -208,11 +208,6 @@ KNOWN = [
     (r"test_zero_hook_attribute_delegation\.py", "deviation",
      "pins the attributes DeepSpeed's ZeRO-3 hooks leave on each module (pre_bwd_fn, applied_pre_backward_ref_cnt)"),
     # features with their own open issue, or outside this package
-    (r"test_destroy_unpin\.py::TestDestroyUnpinsNativeBuffers::test_native_", "out_of_scope",
-     "times out (240 s) on the real DeepSpeed 0.19.6 on CPU, 3 of 3 (2026-11-28b). Here the native backend is "
-     "built (deepspeed.utils.pin_memory), but ZeRO-Offload's host buffers are pinned only when there is a device "
-     "to copy to, so on a CPU-only machine the native manager holds none and 'expected native-pinned optimizer "
-     "offload buffers' fails"),
     (r"ds_to_universal|AUTOEP|autoep", "out_of_scope", "offline ds_to_universal conversion / AutoEP metadata "
      "(our checkpoints are universal natively; AutoEP has its own issue)"),
     (r"Tutel is not installed|TUTEL", "out_of_scope", "Tutel is not used"),

@@ -3,7 +3,8 @@ data-parallel group (the stage-3 strategy of DESIGN.md).
 
 The parts, each in its own file:
 
-* ``partitioned_param``: a parameter's partition, gather and release;
+* ``partitioned_param``: a parameter's partition state, conversion, release and fetch lists;
+* ``partitioned_gather``: gathering partitions (flat, quantized, hpZ secondary) and their handles;
 * ``parameter_offload.ParameterCoordinator``: module hooks - when to gather, prefetch
   and release;
 * ``stage3_grads.GradReducer``: bucketed, overlapped reduce-scatter of gradients;
