@@ -18,7 +18,9 @@ from .accelerator import get_accelerator  # noqa: E402,F401
 from .comm import init_distributed  # noqa: E402,F401
 from .utils.logging import logger, log_dist  # noqa: E402,F401
 from .runtime.entry import initialize, add_config_arguments, add_tuning_arguments  # noqa: E402,F401
-from .runtime.engine import DeepSpeedEngine  # noqa: E402,F401
+# DeepSpeedEngine (and the engine's own parts: monitors, checkpoint save/load, strategy
+# factory) load on first use: ``deepspeed.DeepSpeedEngine`` through __getattr__ below, and
+# ``deepspeed.runtime.engine`` is a lazy module (see _lazy_submodule); initialize() imports it.
 from .config import DeepSpeedConfig, DeepSpeedConfigError  # noqa: E402,F401
 from .utils.init_on_device import OnDevice  # noqa: E402,F401
 from .runtime.dataloader import DeepSpeedDataLoader  # noqa: E402,F401
@@ -45,9 +47,31 @@ from .checkpoint import utils as _ckpt_utils  # noqa: E402,F401
 from .utils import groups as _utils_groups  # noqa: E402,F401  (deepspeed.utils.groups, as in DeepSpeed)
 
 
+def _lazy_submodule(name: str):
+    """Put ``name`` in sys.modules and on its parent package as a module whose body runs on
+    its first attribute access (importlib.util.LazyLoader, the standard library's recipe), so
+    that ``deepspeed.runtime.engine.DeepSpeedEngine`` keeps working right after a plain
+    ``import deepspeed`` without paying for the engine's imports in every process."""
+    import importlib.util
+    import sys
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    parent, _, child = name.rpartition(".")
+    setattr(sys.modules[parent], child, module)
+    return module
+
+
+_lazy_submodule(f"{__name__}.runtime.engine")
+
+
 # Names of ``deepspeed`` that live in a feature package, imported on first use: they work
 # as soon as the package exists and raise _unbuilt's clear "not available" error until then.
-_LAZY_NAMES = {"PipelineModule": "pipe", "LayerSpec": "pipe", "TiedLayerSpec": "pipe",
+_LAZY_NAMES = {"DeepSpeedEngine": "runtime.engine", "PipelineModule": "pipe", "LayerSpec": "pipe", "TiedLayerSpec": "pipe",
                "PipelineEngine": "runtime.pipe.engine", "init_inference": "inference",
                "InferenceEngine": "inference.engine",
                "DeepSpeedTransformerLayer": "ops.transformer", "DeepSpeedTransformerConfig": "ops.transformer"}

@@ -14,7 +14,7 @@ class DSConfigModel(BaseModel):
     """A config section. Unknown keys are errors (with a 'did you mean' hint)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True,
-                              arbitrary_types_allowed=True, protected_namespaces=())
+                              arbitrary_types_allowed=True, protected_namespaces=(), defer_build=True)
 
     # Dict-style access, which DeepSpeed users and integrations rely on.
     def __getitem__(self, key: str) -> Any:
