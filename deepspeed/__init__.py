@@ -87,3 +87,8 @@ def __getattr__(name):
     if name in _LAZY_NAMES:
         return getattr(importlib.import_module(f".{_LAZY_NAMES[name]}", __name__), name)
     raise AttributeError(f"module 'deepspeed' has no attribute '{name}'")
+
+
+def __dir__():
+    # the lazy names that always resolve (the pipe/inference ones may be unbuilt: not listed)
+    return sorted(set(globals()) | {"DeepSpeedEngine"})
