@@ -122,6 +122,12 @@ def pin_memory_backend() -> str:
     return value
 
 
+def native_pinning() -> bool:
+    """Whether ``DS_PIN_MEMORY_BACKEND=native`` is selected: host memory is then page-locked with
+    or without a device, so ZeRO pins its host buffers on a CPU-only run too."""
+    return pin_memory_backend() == "native"
+
+
 def get_active_native_pinned_memory():
     """The shared manager when ``DS_PIN_MEMORY_BACKEND=native``, else None (pin through torch)."""
     if pin_memory_backend() != "native":

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ...config.errors import DeepSpeedConfigError
 from ...utils.logging import logger
-from ...utils.pin_memory import pin_memory_backend
+from ...utils.pin_memory import native_pinning
 from ..comm.optimizer_hooks import gradient_allreduce_needed
 from ..nonfinite import on_nonfinite
 from ..strategy import StepOutcome, StrategyContext, TrainingStrategy
@@ -50,11 +50,6 @@ from .nvme_master import NvmeMasters, NvmeStateAccess
 from .streamed import STREAM_CHUNK, sliced_norms, staging_buffer, sum_of_squares
 
 _ACCUM = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _native_pinning() -> bool:
-    """DS_PIN_MEMORY_BACKEND=native: host memory can be page-locked without a device."""
-    return pin_memory_backend() == "native"
 
 
 class UnusedParametersError(RuntimeError, AssertionError):
@@ -191,7 +186,7 @@ class FlatMasterOptimizer(InnerOptimizerFace, NvmeStateAccess, FlatStateMixin, T
             # pinned when asked and something can pin: a device runtime, or DS_PIN_MEMORY_BACKEND=native
             # (page-locked with or without a device); through the accelerator, so its backend and
             # the pin-memory tracker see it
-            if self.pin_memory and (torch.device(self.ctx.device).type != "cpu" or _native_pinning()):
+            if self.pin_memory and (torch.device(self.ctx.device).type != "cpu" or native_pinning()):
                 from ...accelerator import get_accelerator
                 m = get_accelerator().pin_memory(m)
                 self._pinned_masters.append(m)

@@ -34,7 +34,7 @@ import weakref
 import torch
 
 from ...accelerator import get_accelerator
-from ...utils.pin_memory import pin_memory_backend
+from ...utils.pin_memory import native_pinning
 from .partitioned_gather import (FLAT_GATHER_ELEMENTS, QUANT_BLOCK, GatherHandle, ZeroParamStatus,  # noqa: F401
                                  _alias_partitions, _flat_input, _full_buffer, _gather_quantized,
                                  _gather_secondary, _keep_secondary, _MultiHandle, _pieces, _pool_batches,
@@ -62,7 +62,7 @@ class PartitionSpec:
         # runtime (the compute device is not the CPU) or DS_PIN_MEMORY_BACKEND=native (page-locked
         # memory with or without a device)
         self.pin_memory = bool(pin_memory) and self.partition_device.type == "cpu" and (
-            self.device.type != "cpu" or host_pinning_backend_native())
+            self.device.type != "cpu" or native_pinning())
         self.listeners = []   # callables(param) after GatheredParameters re-partitions a modified param
         # AsyncPartitionedParameterSwapper when partitions live on NVMe (offload_param.device: nvme);
         # convert_param hands new partitions to it, gather_params/resident_partitions bring them in.
@@ -102,12 +102,6 @@ def _placeholder(dtype, device) -> torch.Tensor:
     if t is None:
         t = _placeholders[key] = torch.empty(partitioned_param_data_shape, dtype=dtype, device=device)
     return t
-
-
-def host_pinning_backend_native() -> bool:
-    """Whether ``DS_PIN_MEMORY_BACKEND=native`` pins host memory (then pinning works without a
-    device, so ZeRO's pinned host buffers are pinned on a CPU-only run too)."""
-    return pin_memory_backend() == "native"
 
 
 def _alloc_partition(n: int, dtype, spec: PartitionSpec) -> torch.Tensor:

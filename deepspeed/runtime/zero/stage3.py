@@ -33,7 +33,7 @@ from .estimators import estimate_zero3_model_states_mem_needs  # noqa: F401 - De
 from .estimators import estimate_zero3_model_states_mem_needs_all_cold  # noqa: F401
 from .estimators import estimate_zero3_model_states_mem_needs_all_live  # noqa: F401
 from .parameter_offload import ParameterCoordinator
-from .partitioned_param import (PartitionSpec, ZeroParamStatus, _flat_input, convert_param, fetch_lists_version,
+from .partitioned_param import (PartitionSpec, ZeroParamStatus, _flat_input, _runs, convert_param, fetch_lists_version,
                                 gather_params, invalidate_fetch_lists, is_quantized, is_zero_param, quantize_partition,
                                 release_param)
 from .stage3_comm import KIND_GATHER, KIND_STEP, comm_for
@@ -468,13 +468,7 @@ class DeepSpeedZeroOptimizer_Stage3(InnerOptimizerFace, Stage3StateAccess, Train
             ps = [p for p in ps if not self._alias_whole(p)]
         # evenly split parameters first: their batches copy out in one fused operation
         ps.sort(key=lambda p: p.ds_numel != ws * p.ds_tensor.numel())
-        i = 0
-        while i < len(ps):
-            batch, n = [], 0
-            while i < len(ps) and (not batch or n + ps[i].ds_tensor.numel() * ws <= limit):
-                batch.append(ps[i])
-                n += ps[i].ds_tensor.numel() * ws
-                i += 1
+        for batch in _runs(ps, lambda p: p.ds_tensor.numel() * ws, limit):
             self._gather_whole(batch)
 
     def _alias_whole(self, p) -> bool:

@@ -40,7 +40,8 @@ from torch.profiler import record_function
 
 from ...accelerator import get_accelerator
 from ..precision.streamed import STREAM_CHUNK, sliced_norms, staging_buffer, sum_of_squares
-from .partitioned_param import host_pinning_backend_native
+from ...utils.pin_memory import native_pinning
+from .partitioned_gather import _runs
 
 _FP32 = torch.float32
 _UNSET = object()
@@ -71,17 +72,8 @@ class Chunk:
 
 
 def _chunk_params(params, sub_group_size):
-    chunks, cur, n = [], [], 0
-    for p in params:
-        s = p.ds_tensor.numel()
-        if cur and n + s > sub_group_size:
-            chunks.append(cur)
-            cur, n = [], 0
-        cur.append(p)
-        n += s
-    if cur:
-        chunks.append(cur)
-    return chunks
+    """Whole partitions in chunks of at most ``sub_group_size`` elements (a larger one alone)."""
+    return _runs(params, lambda p: p.ds_tensor.numel(), sub_group_size)
 
 
 def _gathered_first(params):
@@ -111,7 +103,7 @@ class MasterPartitions:
         # host masters/gradients pinned when asked and something can pin them (a CUDA runtime, or
         # DS_PIN_MEMORY_BACKEND=native); every pin goes through the accelerator (_pin)
         pin = pin_memory and self.opt_device.type == "cpu" and (torch.cuda.is_available()
-                                                                 or host_pinning_backend_native())
+                                                                 or native_pinning())
         self._pinned = []               # what _pin pinned: unpin_host_buffers() releases it
         for gi, g in enumerate(groups):
             self.group_hparams.append({k: v for k, v in g.items() if k != "params"})
